@@ -1,0 +1,21 @@
+"""drainer-amqp: one py-amqp/kombu connection, shared safely and fast between threads.
+
+Public API: :class:`Connection`, :class:`Transport`, :class:`SSLTransport` and the
+errors in :mod:`drainer_amqp.errors`. See the README for the threading contract.
+"""
+
+from .connection import Channel, Connection
+from .errors import ConnectionClosedIntentionally, ConnectionLost, HeartbeatTimeout, MalformedFrame
+from .transport import SSLTransport, Transport
+
+__all__ = [
+    "Channel",
+    "Connection",
+    "ConnectionClosedIntentionally",
+    "ConnectionLost",
+    "HeartbeatTimeout",
+    "MalformedFrame",
+    "SSLTransport",
+    "Transport",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,939 @@
+"""``Connection`` and ``Channel``: py-amqp's, made safe to share between threads.
+
+Two modes, chosen per connection with ``dedicated_drainer``:
+
+Legacy (``False``, the default)
+    py-amqp's behaviour made thread-safe. One transport lock serialises the socket: a
+    thread in ``drain_events()`` holds it for its whole blocking read, so other
+    threads' publishes wait behind it. Heartbeats are the caller's job
+    (``heartbeat_tick``), as with stock py-amqp.
+
+Drainer (``True``)
+    After the handshake, a :class:`~drainer_amqp.drainer.Drainer` thread owns the
+    socket's reading side. It dispatches complete frames under the transport lock:
+    replies and confirms wake the thread waiting for them; deliveries, returns,
+    broker-side cancels, blocked/unblocked notices and ``basic_ack`` events are
+    queued for the threads that call ``drain_events()``, which run those callbacks.
+
+Threading contract (both modes)
+    * Publishing and synchronous methods may be called from any thread, each thread
+      on its own channel. Publisher confirms are matched by delivery tag, so several
+      threads may wait for confirms on one shared channel; other synchronous methods
+      on one channel must not be called by two threads at once (AMQP replies carry
+      no correlation id).
+    * User callbacks run in the thread that called ``drain_events()``, never in the
+      drainer; with several draining threads they run one at a time, in arrival order.
+    * ``close()`` and ``collect()`` are idempotent and safe from any thread. They wake
+      every waiting thread with :class:`ConnectionClosedIntentionally`.
+    * A failed link (reset, EOF, heartbeat timeout, malformed frame, broker close)
+      wakes every waiting thread at once with the same error, and every later call
+      raises it immediately.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from time import monotonic, perf_counter
+from typing import Any
+
+import amqp
+from amqp import spec
+from amqp.abstract_channel import AbstractChannel
+from amqp.exceptions import (
+    AMQPError,
+    ChannelError,
+    MessageNacked,
+    RecoverableConnectionError,
+    error_for_code,
+)
+from amqp.method_framing import frame_writer as amqp_frame_writer
+from kombu.transport import pyamqp
+
+from .drainer import Drainer
+from .errors import ConnectionClosedIntentionally, ConnectionLost
+from .framing import Frame
+
+__all__ = ["Channel", "Connection"]
+
+logger = logging.getLogger(__name__)
+
+#: Upper bound on how long ``close()`` waits for the broker's ``Connection.CloseOk``
+#: and for the transport lock, and on joining the drainer thread.
+CLOSE_TIMEOUT = 5.0
+
+#: Methods still handled after we sent ``Connection.Close``: everything else is
+#: discarded, as AMQP 0-9-1 requires.
+_HANDLED_WHILE_CLOSING = frozenset((spec.Connection.Close, spec.Connection.CloseOk))
+
+
+class _Reply:
+    """One thread's wait for a reply: filled by the drainer, waited on by its owner."""
+
+    __slots__ = ("channel", "methods", "event", "value", "error")
+
+    def __init__(self, channel: Channel, methods: list[tuple[int, int]]) -> None:
+        self.channel = channel
+        self.methods = methods
+        self.event = threading.Event()
+        self.value: tuple[tuple[int, int], tuple[Any, ...]] | None = None
+        self.error: BaseException | None = None
+
+    def __call__(self, method_sig: tuple[int, int], *args: Any) -> None:
+        """Called by py-amqp's ``dispatch_method`` (drainer thread) with the reply."""
+        self.value = (method_sig, args)
+        self.event.set()
+
+    def fail(self, error: BaseException | None) -> None:
+        """Wake the owner without a reply: with ``error``, or with the connection's end."""
+        self.error = error
+        self.event.set()
+
+
+class _Signal:
+    """A self-pipe: readable after :meth:`set`, until :meth:`clear`. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._is_set = False
+
+    def fileno(self) -> int:
+        return self._r.fileno()
+
+    def set(self) -> None:
+        if not self._is_set:
+            self._is_set = True
+            try:
+                self._w.send(b"\0")
+            except OSError:
+                pass
+
+    def clear(self) -> None:
+        self._is_set = False
+        try:
+            while self._r.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+
+class Channel(pyamqp.Channel):
+    """kombu's py-amqp channel, with waits served by the drainer in drainer mode.
+
+    In legacy mode every method is py-amqp's own. In drainer mode a thread that needs
+    a reply registers its wait *before* it writes the request (so a fast reply cannot
+    slip past it, py-amqp issue 90) and then sleeps until the drainer fills it.
+    """
+
+    connection: Connection
+    _confirm_selected: bool
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._unconfirmed: dict[int, _Reply] = {}
+        self._publish_seq = 0
+        self._confirm_mode = False
+        self._close_error: BaseException | None = None
+        self._prepared: dict[int, _Reply] = {}  # thread id -> wait registered before writing
+        super().__init__(*args, **kwargs)
+
+    def _drainer_conn(self) -> Connection | None:
+        """The connection if it runs in drainer mode, else None (legacy or collected)."""
+        conn = self.connection
+        if conn is None or conn._drainer is None:
+            return None
+        return conn
+
+    # -- waiting for replies ---------------------------------------------------------
+    def _expect(self, methods: Any) -> _Reply:
+        methods = methods if isinstance(methods, list) else [methods]
+        reply = _Reply(self, methods)
+        for method in methods:
+            self._pending[method] = reply
+        conn = self.connection
+        conn._waiters.add(reply)
+        if conn._reason is not None or self._close_error is not None:
+            reply.fail(self._close_error)
+        return reply
+
+    def _forget(self, reply: _Reply) -> None:
+        for method in reply.methods:
+            if self._pending.get(method) is reply:
+                del self._pending[method]
+        conn = reply.channel.connection
+        if conn is not None:
+            conn._waiters.discard(reply)
+
+    def _await(self, reply: _Reply, conn: Connection, timeout: float | None) -> tuple[Any, ...]:
+        if not reply.event.wait(timeout):
+            raise TimeoutError()
+        if reply.value is not None:
+            return reply.value
+        error = reply.error or self._close_error
+        if error is not None:
+            self._raise_channel_error(conn, error)
+        raise conn._error_for_caller()
+
+    def _raise_channel_error(self, conn: Connection, error: BaseException) -> None:
+        """Reopen the channel the broker closed (once, in this thread) and raise why."""
+        with conn._state_lock:
+            mine = self._close_error is error
+            if mine:
+                self._close_error = None
+        if mine and conn._reason is None:
+            self._do_revive()
+        raise copy.copy(error)
+
+    def send_method(  # type: ignore[override]
+        self,
+        sig: tuple[int, int],
+        format: str | None = None,
+        args: Any = None,
+        content: Any = None,
+        wait: Any = None,
+        callback: Any = None,
+        returns_tuple: bool = False,
+    ) -> Any:
+        conn = self._drainer_conn()
+        if conn is None:
+            return super().send_method(sig, format, args, content, wait, callback, returns_tuple)
+        if self._close_error is not None and sig not in (spec.Channel.CloseOk, spec.Channel.Close):
+            self._raise_channel_error(conn, self._close_error)
+        if not wait:
+            return super().send_method(sig, format, args, content, None, callback)
+        reply = self._expect(wait)
+        try:
+            super().send_method(sig, format, args, content, None, callback)
+            return self._finish_wait(reply, conn, None, None, returns_tuple)
+        finally:
+            self._forget(reply)
+
+    def wait(  # type: ignore[override]
+        self,
+        method: Any,
+        callback: Any = None,
+        timeout: float | None = None,
+        returns_tuple: bool = False,
+    ) -> Any:
+        conn = self._drainer_conn()
+        if conn is None:
+            return super().wait(method, callback, timeout, returns_tuple)
+        reply = self._prepared.pop(threading.get_ident(), None) or self._expect(method)
+        try:
+            return self._finish_wait(reply, conn, callback, timeout, returns_tuple)
+        finally:
+            self._forget(reply)
+
+    def _finish_wait(
+        self,
+        reply: _Reply,
+        conn: Connection,
+        callback: Any,
+        timeout: float | None,
+        returns_tuple: bool,
+    ) -> Any:
+        method_sig, args = self._await(reply, conn, timeout)
+        if callback is not None:
+            callback(method_sig, *args)  # the caller's own thread, as py-amqp does
+        return args if returns_tuple else (args and args[0])
+
+    def queue_declare(self, *args: Any, **kwargs: Any) -> Any:
+        # py-amqp writes Queue.Declare and only then waits for DeclareOk: register first.
+        conn = self._drainer_conn()
+        if conn is None or kwargs.get("nowait") or (len(args) > 5 and args[5]):
+            return super().queue_declare(*args, **kwargs)
+        reply = self._expect(spec.Queue.DeclareOk)
+        self._prepared[threading.get_ident()] = reply  # claimed by wait() below
+        try:
+            return super().queue_declare(*args, **kwargs)
+        finally:
+            self._prepared.pop(threading.get_ident(), None)
+            self._forget(reply)
+
+    # -- publishing --------------------------------------------------------------------
+    def confirm_select(self, nowait: bool = False) -> Any:
+        conn = self._drainer_conn()
+        if conn is None:
+            return super().confirm_select(nowait)
+        reply = None if nowait else self._expect(spec.Confirm.SelectOk)
+        try:
+            with conn._transport_lock:  # publishes are numbered from here on
+                self._publish_seq = 0
+                self._confirm_mode = True
+                AbstractChannel.send_method(self, spec.Confirm.Select, "b", (nowait,))
+            if reply is not None:
+                self._await(reply, conn, None)
+        finally:
+            if reply is not None:
+                self._forget(reply)
+
+    def _basic_publish(
+        self,
+        msg: Any,
+        exchange: str = "",
+        routing_key: str = "",
+        mandatory: bool = False,
+        immediate: bool = False,
+        timeout: float | None = None,
+        confirm_timeout: float | None = None,
+        argsig: str = "Bssbb",
+    ) -> Any:
+        if self._drainer_conn() is None:
+            return super()._basic_publish(
+                msg, exchange, routing_key, mandatory, immediate, timeout, confirm_timeout, argsig
+            )
+        self._publish(msg, exchange, routing_key, mandatory, immediate, timeout, argsig, False)
+
+    basic_publish = _basic_publish
+
+    def _publish(
+        self,
+        msg: Any,
+        exchange: str,
+        routing_key: str,
+        mandatory: bool,
+        immediate: bool,
+        timeout: float | None,
+        argsig: str,
+        want_confirm: bool,
+    ) -> tuple[int, _Reply] | None:
+        """Write one Basic.Publish (drainer mode). py-amqp's version also reads the socket
+        (``drain_events(timeout=0)``) to see blocked notices; here the drainer does that."""
+        conn = self.connection
+        if conn is None:
+            raise RecoverableConnectionError("basic_publish: connection closed")
+        if self._close_error is not None:
+            self._raise_channel_error(conn, self._close_error)
+        ticket = None
+        with conn._transport_lock:  # the delivery tag is the write order on this channel
+            if self._confirm_mode:
+                self._publish_seq += 1
+                if want_confirm:
+                    reply = _Reply(self, [])
+                    self._unconfirmed[self._publish_seq] = reply
+                    conn._waiters.add(reply)
+                    ticket = (self._publish_seq, reply)
+            try:
+                transport = conn._transport
+                if transport is None:
+                    raise conn._error_for_caller()
+                with transport.having_timeout(timeout):
+                    AbstractChannel.send_method(
+                        self,
+                        spec.Basic.Publish,
+                        argsig,
+                        (0, exchange, routing_key, mandatory, immediate),
+                        msg,
+                    )
+            except TimeoutError as exc:
+                if ticket is not None:
+                    self._drop_confirm(conn, ticket)
+                raise RecoverableConnectionError("basic_publish: timed out") from exc
+            except BaseException:
+                if ticket is not None:
+                    self._drop_confirm(conn, ticket)
+                raise
+        return ticket
+
+    def _drop_confirm(self, conn: Connection, ticket: tuple[int, _Reply]) -> None:
+        self._unconfirmed.pop(ticket[0], None)
+        conn._waiters.discard(ticket[1])
+
+    def basic_publish_confirm(self, *args: Any, **kwargs: Any) -> Any:
+        conn = self._drainer_conn()
+        if conn is None:
+            return super().basic_publish_confirm(*args, **kwargs)
+        confirm_timeout = kwargs.pop("confirm_timeout", None)
+        timeout = confirm_timeout or kwargs.get("timeout")
+        if not self._confirm_selected:
+            self._confirm_selected = True
+            self.confirm_select()
+        params = dict(
+            zip(
+                ("msg", "exchange", "routing_key", "mandatory", "immediate", "timeout"),
+                args,
+                strict=False,
+            )
+        )
+        params.update(kwargs)
+        ticket = self._publish(
+            params["msg"],
+            params.get("exchange", ""),
+            params.get("routing_key", ""),
+            params.get("mandatory", False),
+            params.get("immediate", False),
+            params.get("timeout"),
+            params.get("argsig", "Bssbb"),
+            True,
+        )
+        assert ticket is not None
+        try:
+            method_sig, _ = self._await(ticket[1], conn, timeout)
+        finally:
+            self._drop_confirm(conn, ticket)
+        if method_sig == spec.Basic.Nack:
+            raise MessageNacked()
+
+    def _settle(self, method_sig: tuple[int, int], delivery_tag: int, multiple: bool) -> None:
+        if multiple:
+            tags = [t for t in self._unconfirmed if delivery_tag == 0 or t <= delivery_tag]
+        else:
+            tags = [delivery_tag]
+        for tag in tags:
+            reply = self._unconfirmed.pop(tag, None)
+            if reply is not None:
+                reply(method_sig)
+
+    # -- listeners: called by dispatch (the drainer thread in drainer mode) ----------------
+    def _on_basic_ack(self, delivery_tag: int, multiple: bool) -> None:
+        conn = self._drainer_conn()
+        if conn is None:
+            return super()._on_basic_ack(delivery_tag, multiple)
+        self._settle(spec.Basic.Ack, delivery_tag, multiple)
+        if self.events.get("basic_ack"):
+            conn._post(super()._on_basic_ack, delivery_tag, multiple)
+
+    def _on_basic_nack(self, delivery_tag: int, multiple: bool) -> None:
+        conn = self._drainer_conn()
+        if conn is None:
+            return super()._on_basic_nack(delivery_tag, multiple)
+        self._settle(spec.Basic.Nack, delivery_tag, multiple)
+        if self.events.get("basic_nack"):
+            conn._post(super()._on_basic_nack, delivery_tag, multiple)
+
+    def _on_basic_deliver(self, *args: Any) -> None:
+        conn = self._drainer_conn()
+        if conn is None:
+            return super()._on_basic_deliver(*args)
+        conn._post(super()._on_basic_deliver, *args)
+
+    def _on_basic_return(self, *args: Any) -> None:
+        conn = self._drainer_conn()
+        if conn is None:
+            return super()._on_basic_return(*args)
+        conn._post(super()._on_basic_return, *args)
+
+    def _on_basic_cancel(self, consumer_tag: str) -> None:
+        conn = self._drainer_conn()
+        if conn is None:
+            return super()._on_basic_cancel(consumer_tag)
+        conn._post(super()._on_basic_cancel, consumer_tag)
+
+    def _on_close(self, reply_code: int, reply_text: str, class_id: int, method_id: int) -> None:
+        conn = self._drainer_conn()
+        if conn is None:
+            return super()._on_close(reply_code, reply_text, class_id, method_id)
+        # The broker closed this channel. Reopening it needs a wait, which the drainer
+        # must never do: record the error, wake this channel's waiters, and let the
+        # first thread that uses the channel reopen it and raise the error.
+        AbstractChannel.send_method(self, spec.Channel.CloseOk)
+        self.is_open = False
+        if self.is_closing or conn.is_closing:
+            return
+        error = error_for_code(reply_code, reply_text, (class_id, method_id), ChannelError)
+        self._close_error = error
+        waiting = {r for r in self._pending.values() if isinstance(r, _Reply)}
+        waiting.update(self._unconfirmed.values())
+        self._unconfirmed.clear()
+        for reply in waiting:
+            reply.fail(error)
+
+    def _do_revive(self) -> None:
+        self._confirm_mode = False
+        self._publish_seq = 0
+        super()._do_revive()
+
+
+def _locked_frame_writer(connection: Connection, transport: Any) -> Callable[..., None]:
+    """py-amqp's frame writer behind the connection's transport lock.
+
+    The lock keeps the frames of one message contiguous. A write to a connection that
+    has ended raises its reason instead of touching the socket.
+    """
+    write_frame = amqp_frame_writer(connection, transport)
+
+    def write_frame_locked(
+        type_: int, channel: int, method_sig: Any, args: Any, content: Any
+    ) -> None:
+        if connection._drainer is None:
+            with connection._writer_turns():
+                return write_frame_under_lock(type_, channel, method_sig, args, content)
+        return write_frame_under_lock(type_, channel, method_sig, args, content)
+
+    def write_frame_under_lock(
+        type_: int, channel: int, method_sig: Any, args: Any, content: Any
+    ) -> None:
+        with connection._transport_lock:
+            if connection._reason is not None:
+                raise connection._error_for_caller()
+            try:
+                write_frame(type_, channel, method_sig, args, content)
+            except OSError as exc:
+                raise connection._write_failed(exc) from exc
+
+    return write_frame_locked
+
+
+class Connection(amqp.Connection):
+    """A py-amqp ``Connection`` that threads can share; see the module docstring.
+
+    ``dedicated_drainer=True`` starts the drainer thread once the handshake is done.
+    """
+
+    Channel = Channel
+    channels: dict[int, Any] | None  # type: ignore[assignment]
+    _transport: Any
+
+    def __init__(self, *args: Any, dedicated_drainer: bool = False, **kwargs: Any) -> None:
+        if not isinstance(dedicated_drainer, bool):
+            raise TypeError(f"dedicated_drainer must be True or False, not {dedicated_drainer!r}")
+        self.dedicated_drainer = dedicated_drainer
+        self._drainer: Drainer | None = None
+        self._reason: BaseException | None = None
+        self._waiters: set[_Reply] = set()
+        self._inbox: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._inbox_signal: _Signal | None = None
+        self._dispatched = 0
+        self._lock_held = 0.0
+        self._init_locks()
+        super().__init__(*args, **kwargs)
+        self.frame_writer_cls = _locked_frame_writer
+
+    def _init_locks(self) -> None:
+        self._transport_lock = threading.RLock()
+        self._state_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._channel_id_lock = threading.Lock()
+        self._callback_lock = threading.RLock()
+        self._inbox_ready = threading.Condition(threading.Lock())
+        self._close_ok = threading.Event()
+        self._writers_waiting = 0
+        self._no_writers_waiting = threading.Condition(threading.Lock())
+
+    @contextmanager
+    def _writer_turns(self) -> Iterator[None]:
+        """Legacy mode: announce a writer, so readers let it have the lock first.
+
+        Python's locks are not fair: a reader looping on ``drain_events(timeout=1)``
+        would take the lock back before a waiting publisher wakes, starving it for
+        many read timeouts instead of one.
+        """
+        with self._no_writers_waiting:
+            self._writers_waiting += 1
+        try:
+            yield
+        finally:
+            with self._no_writers_waiting:
+                self._writers_waiting -= 1
+                if not self._writers_waiting:
+                    self._no_writers_waiting.notify_all()
+
+    # -- DrainerSink ---------------------------------------------------------------------
+    @property
+    def transport_lock(self) -> threading.RLock:  # type: ignore[override]
+        return self._transport_lock
+
+    def dispatch_frames(self, frames: list[Frame]) -> None:
+        on_frame = self._on_inbound_frame
+        with self._transport_lock:
+            start = perf_counter()
+            try:
+                for frame in frames:
+                    on_frame(frame)
+            finally:
+                self._lock_held += perf_counter() - start
+
+    def try_send_heartbeat(self) -> bool:
+        if not self._transport_lock.acquire(blocking=False):
+            return False
+        try:
+            self.frame_writer(8, 0, None, None, None)
+        finally:
+            self._transport_lock.release()
+        return True
+
+    def drainer_exited(self, error: BaseException | None) -> None:
+        if error is not None:
+            self._end(self._as_connection_error(error))
+        if not isinstance(self._reason, ConnectionClosedIntentionally):
+            self._close_socket()
+        self._close_ok.set()  # a close() in progress need not wait any longer
+
+    # -- connecting ----------------------------------------------------------------------
+    def connect(self, callback: Callable[[], Any] | None = None) -> Any:
+        result = super().connect(callback)
+        if self.dedicated_drainer and self._drainer is None and self.connected:
+            self._start_drainer()
+        return result
+
+    def _start_drainer(self) -> None:
+        transport = self._transport
+        drainer = Drainer(
+            self,
+            transport.sock,
+            name=f"drainer-amqp-{self.host}",
+            frame_max=self.frame_max,
+            heartbeat=self.heartbeat or 0,
+        )
+        self._drainer = drainer
+        _drainer_connections.add(self)
+        drainer.start()
+
+    def _get_free_channel_id(self) -> int:
+        with self._channel_id_lock:
+            return super()._get_free_channel_id()
+
+    def _claim_channel_id(self, channel_id: int) -> int:
+        with self._channel_id_lock:
+            return super()._claim_channel_id(channel_id)
+
+    def channel(self, channel_id: int | None = None, callback: Any = None) -> Any:
+        if self._reason is not None:
+            raise self._error_for_caller()
+        return super().channel(channel_id, callback)
+
+    # -- ending: one path for every reason ----------------------------------------------
+    def _end(self, reason: BaseException) -> bool:
+        """Record why the connection ended and wake every waiting thread.
+
+        The first failure wins; an intentional close replaces a failure for later calls
+        (threads already woken keep the error they saw). Returns whether it recorded.
+        """
+        with self._state_lock:
+            current = self._reason
+            if current is not None and (
+                isinstance(current, ConnectionClosedIntentionally)
+                or not isinstance(reason, ConnectionClosedIntentionally)
+            ):
+                return False
+            self._reason = reason
+        if self._drainer is not None and not isinstance(reason, ConnectionClosedIntentionally):
+            self._drainer.request_stop()  # on its way out it closes the socket
+        for reply in list(self._waiters):
+            reply.fail(None)
+        with self._inbox_ready:
+            self._inbox.clear()
+            self._inbox_ready.notify_all()
+        self._notify_inbox_listeners()
+        return True
+
+    def _error_for_caller(self) -> BaseException:
+        """A fresh copy of the reason, so each thread gets its own traceback."""
+        reason = self._reason
+        if reason is None:
+            return RecoverableConnectionError("connection already closed")
+        error = copy.copy(reason)
+        error.__cause__ = reason.__cause__
+        return error
+
+    def _raise_if_ended(self) -> None:
+        if self._reason is not None:
+            raise self._error_for_caller()
+
+    def _as_connection_error(self, error: BaseException) -> BaseException:
+        if isinstance(error, (AMQPError, ConnectionClosedIntentionally)):
+            return error  # typed already: ours, or the broker's Connection.Close
+        if isinstance(error, OSError):
+            lost = ConnectionLost(f"connection to {self.host} lost: {error}")
+        else:
+            lost = ConnectionLost(f"connection to {self.host} failed: {error!r}")
+        lost.__cause__ = error
+        return lost
+
+    def _write_failed(self, error: OSError) -> BaseException:
+        if self._reason is None and self._drainer is None:
+            return error  # legacy: py-amqp's own error
+        self._end(self._as_connection_error(error))
+        return self._error_for_caller()
+
+    def _close_socket(self) -> None:
+        """Shut the socket down (waking any blocked reader or writer), then close it.
+
+        No TLS ``unwrap``: it would wait for the peer. Safe to call more than once.
+        """
+        transport = self._transport
+        sock = getattr(transport, "sock", None)
+        if transport is None or sock is None:
+            return
+        transport.connected = False
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        # Writers hold the lock while in sendall; after the shutdown they return at once.
+        locked = self._transport_lock.acquire(timeout=CLOSE_TIMEOUT)
+        try:
+            sock.close()
+        finally:
+            if locked:
+                self._transport_lock.release()
+
+    @property
+    def connected(self) -> bool:  # type: ignore[override]
+        transport = self._transport
+        return bool(transport and transport.connected and self._reason is None)
+
+    def close(  # type: ignore[override]
+        self,
+        reply_code: int = 0,
+        reply_text: str = "",
+        method_sig: tuple[int, int] = (0, 0),
+        argsig: str = "BsBB",
+    ) -> None:
+        """Close the connection: ``Connection.Close``, a bounded wait for ``CloseOk``,
+        then stop the drainer and close the socket. Idempotent, safe from any thread;
+        every waiting thread wakes with :class:`ConnectionClosedIntentionally`."""
+        with self._close_lock:
+            if self._transport is None:
+                return
+            if self._reason is None and self._transport.connected:
+                args = (reply_code, reply_text, method_sig[0], method_sig[1])
+                try:
+                    self._close_handshake(args, argsig)
+                except (OSError, AMQPError, ConnectionClosedIntentionally):
+                    pass  # the link is going away either way
+            self.collect()
+
+    def _close_handshake(self, args: tuple[Any, ...], argsig: str) -> None:
+        deadline = monotonic() + CLOSE_TIMEOUT
+        self.is_closing = True
+        intentional = ConnectionClosedIntentionally("connection closed by close()")
+        if self._drainer is not None:
+            AbstractChannel.send_method(self, spec.Connection.Close, argsig, args)
+            self._end(intentional)
+            self._close_ok.wait(CLOSE_TIMEOUT)  # the drainer delivers CloseOk
+            return
+        # Legacy: never wait for CloseOk while holding the lock, so that a thread in a
+        # blocking read can deliver it; read it ourselves only when the lock is free.
+        if not self._transport_lock.acquire(timeout=CLOSE_TIMEOUT):
+            return  # a reader holds the socket for good; collect() shuts it down
+        try:
+            AbstractChannel.send_method(self, spec.Connection.Close, argsig, args)
+        finally:
+            self._transport_lock.release()
+        self._end(intentional)
+        while not self._close_ok.is_set():
+            remaining = deadline - monotonic()
+            if remaining <= 0 or not self._transport_lock.acquire(timeout=remaining):
+                return
+            try:
+                if self._close_ok.is_set():
+                    return
+                with self._transport.having_timeout(max(remaining, 0.001)):
+                    frame = self._transport.read_frame()
+                self._on_inbound_frame(frame)
+            except (OSError, AMQPError):
+                return
+            finally:
+                self._transport_lock.release()
+
+    def _on_close_ok(self) -> None:
+        self._close_ok.set()  # close() tears down; the reader that got this does not
+
+    def collect(self) -> None:
+        """Tear down without the close handshake (kombu calls this after errors)."""
+        self._end(ConnectionClosedIntentionally("connection collected"))
+        drainer = self._drainer
+        if drainer is not None and not drainer.stop(CLOSE_TIMEOUT):
+            logger.warning("drainer thread %s did not stop in time", drainer.thread.name)
+        self._close_socket()
+        if drainer is not None and not drainer.is_alive():
+            drainer.close()
+        if self._inbox_signal is not None:
+            self._inbox_signal.close()
+        _drainer_connections.discard(self)
+        for channel in list((self.channels or {}).values()):
+            if channel is not self:
+                channel.collect()
+        self._transport = self.connection = self.channels = None  # type: ignore[assignment]
+
+    # -- reading -------------------------------------------------------------------------
+    def on_inbound_method(
+        self, channel_id: int, method_sig: tuple[int, int], payload: bytes, content: Any
+    ) -> Any:
+        self._dispatched += 1
+        if self._reason is not None and method_sig not in _HANDLED_WHILE_CLOSING:
+            return None  # discarded after close, as the spec requires
+        channels = self.channels
+        if channels is not None and channel_id not in channels and self._drainer is not None:
+            logger.debug("dropping %s for unknown channel %s", method_sig, channel_id)
+            return None
+        return super().on_inbound_method(channel_id, method_sig, payload, content)
+
+    def drain_events(self, timeout: float | None = None) -> Any:
+        """Handle one event, or raise ``socket.timeout`` after ``timeout`` seconds.
+
+        Drainer mode: run the next queued delivery or callback in this thread.
+        Legacy mode: read from the socket under the transport lock.
+        """
+        if self._drainer is not None:
+            return self._run_next_callback(timeout)
+        return self._read_events(timeout)
+
+    def _read_events(self, timeout: float | None) -> Any:
+        self._raise_if_ended()
+        seen = self._dispatched
+        deadline = None if timeout is None else monotonic() + timeout
+        lock = self._transport_lock
+        if self._writers_waiting and not lock._is_owned():  # type: ignore[attr-defined]
+            with self._no_writers_waiting:
+                self._no_writers_waiting.wait_for(lambda: not self._writers_waiting, timeout)
+        remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
+        if not lock.acquire(timeout=-1 if remaining is None else remaining):
+            raise TimeoutError()
+        try:
+            self._raise_if_ended()
+            if self._dispatched != seen:
+                return True  # another reader handled a method while we waited: recheck
+            remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
+            try:
+                return super().drain_events(remaining)
+            except (OSError, AMQPError) as exc:
+                if self._reason is not None:
+                    raise self._error_for_caller() from exc
+                raise
+        finally:
+            self._transport_lock.release()
+
+    def _run_next_callback(self, timeout: float | None) -> Any:
+        deadline = None if timeout is None else monotonic() + timeout
+        while True:
+            with self._inbox_ready:
+                while not self._inbox:
+                    self._raise_if_ended()
+                    remaining = None if deadline is None else deadline - monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError()
+                    self._inbox_ready.wait(remaining)
+            remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
+            if not self._callback_lock.acquire(timeout=-1 if remaining is None else remaining):
+                raise TimeoutError()
+            try:
+                with self._inbox_ready:
+                    item = self._inbox.popleft() if self._inbox else None
+                if item is not None:
+                    function, args = item
+                    return function(*args)
+            finally:
+                self._callback_lock.release()
+
+    def _post(self, function: Callable[..., Any], *args: Any) -> None:
+        """Queue a user callback for the next ``drain_events()`` caller (drainer thread)."""
+        with self._inbox_ready:
+            self._inbox.append((function, args))
+            self._inbox_ready.notify()
+        self._notify_inbox_listeners()
+
+    def _notify_inbox_listeners(self) -> None:
+        if self._inbox_signal is not None:
+            self._inbox_signal.set()
+
+    def inbox_fileno(self) -> int:
+        """A descriptor that turns readable when callbacks are queued for
+        ``drain_events()`` or the connection ends, for an event loop (kombu's Hub) to
+        watch instead of the socket, which belongs to the drainer. After it fires,
+        call :meth:`run_pending_callbacks`."""
+        with self._state_lock:
+            if self._inbox_signal is None:
+                self._inbox_signal = _Signal()
+            signal = self._inbox_signal
+        if self._inbox or self._reason is not None:
+            signal.set()
+        return signal.fileno()
+
+    def run_pending_callbacks(self) -> int:
+        """Run every queued callback in this thread without waiting; return how many.
+        Raises the connection's error if it has ended."""
+        if self._inbox_signal is not None:
+            self._inbox_signal.clear()
+        done = 0
+        while True:
+            try:
+                self._run_next_callback(0)
+            except TimeoutError:
+                return done
+            done += 1
+
+    @property
+    def pending_callbacks(self) -> int:
+        """Deliveries and callbacks queued for ``drain_events()`` callers."""
+        return len(self._inbox)
+
+    def _on_blocked(self) -> Any:
+        if self._drainer is None:
+            return super()._on_blocked()
+        self._post(super()._on_blocked)
+        return None
+
+    def _on_unblocked(self) -> Any:
+        if self._drainer is None:
+            return super()._on_unblocked()
+        self._post(super()._on_unblocked)
+        return None
+
+    # -- heartbeats ----------------------------------------------------------------------
+    def heartbeat_tick(self, rate: int = 2) -> None:
+        """Legacy: py-amqp's. Drainer mode: the drainer owns heartbeats; this only
+        raises the connection's failure, if any."""
+        if self._drainer is None:
+            return super().heartbeat_tick(rate)
+        if self._reason is not None and not isinstance(self._reason, ConnectionClosedIntentionally):
+            raise self._error_for_caller()
+
+    # -- introspection -------------------------------------------------------------------
+    def drainer_stats(self) -> dict[str, float | int | bool]:
+        """Plain numbers to log: what the drainer read and sent, and who is waiting."""
+        drainer = self._drainer
+        stats: dict[str, float | int | bool] = {
+            "dedicated_drainer": self.dedicated_drainer,
+            "running": bool(drainer and drainer.is_alive()),
+            "lock_held_seconds": self._lock_held,
+            "waiting_threads": len(self._waiters),
+            "pending_callbacks": len(self._inbox),
+        }
+        if drainer is not None:
+            stats.update(drainer.stats.as_dict())
+        return stats
+
+    # -- fork ----------------------------------------------------------------------------
+    def _after_fork_in_child(self) -> None:
+        """The child has no drainer thread and shares the parent's socket: close this
+        process's copy of the descriptor (no shutdown: that would end the parent's
+        link too) and fail the connection, so kombu reconnects in the child."""
+        self._init_locks()
+        self._waiters.clear()
+        self._inbox.clear()
+        self._reason = ConnectionLost(
+            f"connection to {self.host} was inherited by a forked process; reconnect in the child"
+        )
+        transport = self._transport
+        if transport is not None:
+            transport.connected = False
+            if transport.sock is not None:
+                transport.sock.close()
+        if self._drainer is not None:
+            self._drainer.close()
+
+
+_drainer_connections: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for conn in list(_drainer_connections):
+        conn._after_fork_in_child()
+    _drainer_connections.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,216 @@
+"""The drainer: one background thread that owns the reading side of a socket.
+
+Threading contract
+------------------
+* Exactly one ``Drainer`` thread reads a connection's socket; no other thread does.
+* It sleeps in ``select`` on the socket and a wake-up socketpair, reads what is
+  there without blocking, and assembles frames itself (:mod:`.framing`). Only
+  complete frames are handed to ``sink.dispatch_frames``, which takes the transport
+  lock for the time it takes to dispatch them; no read ever happens under that lock
+  (TLS is the exception that proves it: an ``SSLSocket`` may not be read and written
+  at once, so a TLS read is a *non-blocking* read under the lock).
+* It sends heartbeats when nothing else was written for half the interval and
+  fails the connection when the broker was silent for two intervals.
+* It never runs user code: the sink hands deliveries and user callbacks to threads
+  that call ``drain_events()``.
+* Its owner (the ``Connection``) stops it with :meth:`Drainer.stop`, which wakes the
+  ``select`` at once; the thread then exits and reports to ``sink.drainer_exited``.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import ssl
+import threading
+from dataclasses import asdict, dataclass
+from time import monotonic
+from typing import Protocol
+
+from .errors import ConnectionLost, HeartbeatTimeout
+from .framing import Frame, FrameAssembler
+
+__all__ = ["Drainer", "DrainerStats", "DrainerSink"]
+
+READ_SIZE = 256 * 1024
+
+
+class DrainerSink(Protocol):
+    """What the drainer needs from its connection."""
+
+    transport_lock: threading.RLock
+    bytes_sent: int
+
+    def dispatch_frames(self, frames: list[Frame]) -> None: ...
+    def try_send_heartbeat(self) -> bool: ...
+    def drainer_exited(self, error: BaseException | None) -> None: ...
+
+
+@dataclass
+class DrainerStats:
+    """Plain counters, written by the drainer thread only (reads may be a frame stale)."""
+
+    frames_read: int = 0
+    bytes_read: int = 0
+    reads: int = 0
+    heartbeats_sent: int = 0
+    heartbeats_received: int = 0
+    dispatches: int = 0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+class Drainer:
+    """Reads ``sock`` in a thread named ``drainer-amqp-<host>``, owned by ``sink``."""
+
+    def __init__(
+        self, sink: DrainerSink, sock: socket.socket, *, name: str, frame_max: int, heartbeat: float
+    ) -> None:
+        self._sink = sink
+        self._sock = sock
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._assembler = FrameAssembler(frame_max)
+        self._heartbeat = float(heartbeat or 0)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._stopping = False
+        self.stats = DrainerStats()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # -- owner API ---------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def wake(self) -> None:
+        """Make the thread's ``select`` return now (safe from any thread)."""
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # buffer full (a wake-up is pending anyway) or already closed
+            pass
+
+    def request_stop(self) -> None:
+        """Ask the thread to exit soon; do not wait (safe from any thread)."""
+        self._stopping = True
+        self.wake()
+
+    def stop(self, timeout: float) -> bool:
+        """Ask the thread to exit and join it for at most ``timeout`` seconds.
+
+        Returns whether the thread has ended, or will end at once when called from
+        the drainer thread itself.
+        """
+        self.request_stop()
+        if threading.current_thread() is self.thread:
+            return True
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def close(self) -> None:
+        """Release the wake-up pair. Call after :meth:`stop` returned True."""
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    # -- the thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        error: BaseException | None = None
+        selector = selectors.DefaultSelector()
+        try:
+            selector.register(self._sock, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            self._loop(selector)
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported to the owner
+            error = exc
+        finally:
+            selector.close()
+        self._sink.drainer_exited(None if self._stopping else error)
+
+    def _loop(self, selector: selectors.BaseSelector) -> None:
+        now = monotonic()
+        last_recv = last_sent = now
+        seen_sent = self._sink.bytes_sent
+        interval = self._heartbeat
+        while not self._stopping:
+            timeout = None
+            if interval:
+                due = min(last_sent + interval / 2, last_recv + 2 * interval)
+                timeout = max(0.0, due - monotonic())
+            if self._tls and self._sock.pending():  # type: ignore[attr-defined]
+                readable = True  # decrypted bytes that select cannot see
+            else:
+                readable = False
+                for key, _ in selector.select(timeout):
+                    if key.fileobj is self._wake_r:
+                        self._drain_wakeups()
+                    else:
+                        readable = True
+            if self._stopping:
+                return
+            now = monotonic()
+            if readable and self._read():
+                last_recv = now
+            if interval:
+                sent = self._sink.bytes_sent
+                if sent != seen_sent:
+                    seen_sent, last_sent = sent, now
+                elif now - last_sent >= interval / 2:
+                    # A busy lock means a writer is mid-frame: that is traffic too.
+                    if self._sink.try_send_heartbeat():
+                        self.stats.heartbeats_sent += 1
+                    seen_sent, last_sent = self._sink.bytes_sent, now
+                if now - last_recv > 2 * interval:
+                    raise HeartbeatTimeout(
+                        f"no frame from the broker for {now - last_recv:.1f}s "
+                        f"(heartbeat {interval:g}s)"
+                    )
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _read(self) -> bool:
+        """Read what is available without blocking; dispatch complete frames."""
+        data = self._recv_tls() if self._tls else self._sock.recv(READ_SIZE)
+        if data is None:  # TLS record not complete yet
+            return False
+        if not data:
+            self._assembler.check_eof()
+            raise ConnectionLost("the broker closed the connection (end of stream)")
+        stats = self.stats
+        stats.reads += 1
+        stats.bytes_read += len(data)
+        frames = self._assembler.feed(data)
+        if frames:
+            stats.frames_read += len(frames)
+            stats.heartbeats_received += sum(1 for f in frames if f[0] == 8)
+            stats.dispatches += 1
+            self._sink.dispatch_frames(frames)
+        return True
+
+    def _recv_tls(self) -> bytes | None:
+        sock = self._sock
+        chunks = []
+        with self._sink.transport_lock:
+            previous = sock.gettimeout()
+            sock.setblocking(False)
+            try:
+                while True:
+                    try:
+                        chunk = sock.recv(READ_SIZE)
+                    except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+                        break
+                    chunks.append(chunk)
+                    if not chunk or not sock.pending():  # type: ignore[attr-defined]
+                        break
+            finally:
+                sock.settimeout(previous)
+        if not chunks:
+            return None
+        return b"".join(chunks)

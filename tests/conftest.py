@@ -1,0 +1,4 @@
+"""Shared fixtures: the broker, the Toxiproxy-compatible proxy, and leak checks."""
+
+from support.broker import *  # noqa: F403
+from support.toxiproxy.fixtures import *  # noqa: F403

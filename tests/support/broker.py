@@ -1,0 +1,93 @@
+"""Fixtures and helpers for tests against the real RabbitMQ on 127.0.0.1:5672.
+
+Tests share one broker: every queue name is unique, every declared queue is deleted,
+and every connection is closed. Nothing here assumes the broker is otherwise idle.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+
+__all__ = [
+    "BROKER_HOST",
+    "broker_connection_names",
+    "close_broker_connections",
+    "no_leaks",
+    "unique_name",
+    "wait_until",
+]
+
+BROKER_HOST = os.environ.get("AMQP_HOST", "127.0.0.1:5672")
+
+
+def unique_name(prefix: str = "drainer-test") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until true or ``timeout``; for state with no event to wait on
+    (another process, the broker). Returns the last result."""
+    done = threading.Event()
+    deadline = timeout
+    while deadline > 0:
+        if predicate():
+            return True
+        done.wait(interval)
+        deadline -= interval
+    return predicate()
+
+
+def broker_connection_names(local_port: int) -> list[str]:
+    """The broker's names for connections coming from our ``local_port``."""
+    out = subprocess.run(
+        ["rabbitmqctl", "-q", "list_connections", "name", "peer_port"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    names = []
+    for line in out.splitlines():
+        parts = line.rsplit("\t", 1)
+        if len(parts) == 2 and parts[1].strip() == str(local_port):
+            names.append(parts[0])
+    return names
+
+
+def close_broker_connections(local_port: int, reason: str = "closed by test") -> int:
+    """Close, from the broker's side, every connection from our ``local_port``."""
+    names = broker_connection_names(local_port)
+    for name in names:
+        subprocess.run(
+            ["rabbitmqctl", "-q", "close_connection", name, reason],
+            capture_output=True,
+            timeout=30,
+            check=True,
+        )
+    return len(names)
+
+
+def _drainer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("drainer-amqp-")]
+
+
+@pytest.fixture
+def no_leaks() -> Iterator[None]:
+    """Fail the test if it leaves a drainer thread or a socket/file descriptor behind."""
+    process = psutil.Process()
+    threads_before = set(_drainer_threads())
+    fds_before = process.num_fds()
+    yield
+    assert wait_until(lambda: not (set(_drainer_threads()) - threads_before), 5), (
+        f"drainer threads left: {set(_drainer_threads()) - threads_before}"
+    )
+    assert wait_until(lambda: process.num_fds() <= fds_before, 5), (
+        f"file descriptors: {fds_before} before, {process.num_fds()} after"
+    )
