@@ -147,14 +147,28 @@ class Channel(pyamqp.Channel):
         self._confirm_mode = False
         self._close_error: BaseException | None = None
         self._prepared: dict[int, _Reply] = {}  # thread id -> wait registered before writing
+        self._ended_connection: Connection | None = None
         super().__init__(*args, **kwargs)
 
     def _drainer_conn(self) -> Connection | None:
-        """The connection if it runs in drainer mode, else None (legacy or collected)."""
+        """The connection if it runs in drainer mode, else None (legacy or collected).
+
+        On a channel whose connection was closed or failed, raises that reason: a
+        publish after ``close()`` must say ``ConnectionClosedIntentionally`` (so kombu
+        does not reconnect), not py-amqp's generic "connection closed"."""
         conn = self.connection
-        if conn is None or conn._drainer is None:
+        if conn is None:
+            ended = self._ended_connection
+            if ended is not None and ended._reason is not None:
+                raise ended._error_for_caller()
+            return None
+        if conn._drainer is None:
             return None
         return conn
+
+    def collect(self) -> None:
+        self._ended_connection = self.connection or self._ended_connection
+        super().collect()
 
     # -- waiting for replies ---------------------------------------------------------
     def _expect(self, methods: Any) -> _Reply:
@@ -717,8 +731,9 @@ class Connection(amqp.Connection):
             return
         # Legacy: never wait for CloseOk while holding the lock, so that a thread in a
         # blocking read can deliver it; read it ourselves only when the lock is free.
-        if not self._transport_lock.acquire(timeout=CLOSE_TIMEOUT):
-            return  # a reader holds the socket for good; collect() shuts it down
+        with self._writer_turns():
+            if not self._transport_lock.acquire(timeout=CLOSE_TIMEOUT):
+                return  # a reader holds the socket for good; collect() shuts it down
         try:
             AbstractChannel.send_method(self, spec.Connection.Close, argsig, args)
         finally:

@@ -45,9 +45,9 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
 
 
 def broker_connection_names(local_port: int) -> list[str]:
-    """The broker's names for connections coming from our ``local_port``."""
+    """The broker's ids (Erlang pids) of connections coming from our ``local_port``."""
     out = subprocess.run(
-        ["rabbitmqctl", "-q", "list_connections", "name", "peer_port"],
+        ["rabbitmqctl", "-q", "list_connections", "pid", "peer_port"],
         capture_output=True,
         text=True,
         timeout=30,

@@ -1,0 +1,477 @@
+"""The connection contract, against the real broker, in both modes where it applies."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import amqp
+import kombu
+import pytest
+from amqp.exceptions import NotFound
+from kombu.transport import pyamqp
+from support.broker import BROKER_HOST, broker_connection_names, unique_name, wait_until
+
+import drainer_amqp
+from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
+
+MODES = ["legacy", "drainer"]
+JOIN = 15.0  # seconds: a thread not done by then is a hang
+
+
+def drainer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("drainer-amqp-")]
+
+
+@pytest.fixture
+def connect() -> Iterator[Callable[..., drainer_amqp.Connection]]:
+    """Open connections on demand; close every one at teardown."""
+    opened: list[drainer_amqp.Connection] = []
+
+    def _connect(mode: str = "drainer", **kwargs: object) -> drainer_amqp.Connection:
+        kwargs.setdefault("host", BROKER_HOST)
+        conn = drainer_amqp.Connection(dedicated_drainer=(mode == "drainer"), **kwargs)
+        opened.append(conn)
+        conn.connect()
+        return conn
+
+    yield _connect
+    for conn in opened:
+        conn.close()
+
+
+@pytest.fixture
+def queue(connect: Callable[..., drainer_amqp.Connection]) -> Iterator[str]:
+    """A unique durable-free queue, deleted at teardown."""
+    name = unique_name()
+    admin = connect("legacy")
+    admin.channel().queue_declare(name, auto_delete=False)
+    yield name
+    admin.channel().queue_delete(name)
+
+
+def run_threads(targets: list[Callable[[], object]], name: str) -> list[BaseException | None]:
+    """Run each target in its own thread; return each one's exception (or None)."""
+    errors: list[BaseException | None] = [None] * len(targets)
+
+    def wrap(i: int, target: Callable[[], object]) -> None:
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            errors[i] = exc
+
+    threads = [
+        threading.Thread(target=wrap, args=(i, target), name=f"{name}-{i}")
+        for i, target in enumerate(targets)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN)
+        assert not t.is_alive(), f"{t.name} hung"
+    return errors
+
+
+def count_messages(conn: amqp.Connection, queue: str) -> int:
+    return conn.channel().queue_declare(queue, passive=True).message_count
+
+
+# -- options and lifecycle --------------------------------------------------------------
+
+
+def test_dedicated_drainer_defaults_to_false_and_must_be_a_bool() -> None:
+    assert drainer_amqp.Connection(host=BROKER_HOST).dedicated_drainer is False
+    with pytest.raises(TypeError, match="dedicated_drainer must be True or False"):
+        drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer="yes")  # type: ignore[arg-type]
+    kconn = kombu.Connection(
+        f"amqp://guest:guest@{BROKER_HOST}//",
+        transport="drainer_amqp:Transport",
+        transport_options={"dedicated_drainer": 1},
+    )
+    with pytest.raises(TypeError):
+        kconn.connect()
+    kconn.release()
+
+
+def test_public_names() -> None:
+    assert issubclass(drainer_amqp.Connection, amqp.Connection)
+    assert issubclass(drainer_amqp.Transport, pyamqp.Transport)
+    assert issubclass(drainer_amqp.SSLTransport, pyamqp.SSLTransport) or issubclass(
+        drainer_amqp.SSLTransport, drainer_amqp.Transport
+    )
+    assert drainer_amqp.Transport.Connection is drainer_amqp.Connection
+    transport = drainer_amqp.Transport
+    for errors in (
+        transport.connection_errors,
+        transport.recoverable_connection_errors,
+        transport.channel_errors,
+        transport.recoverable_channel_errors,
+    ):
+        assert not issubclass(ConnectionClosedIntentionally, errors)
+    assert issubclass(ConnectionLost, transport.recoverable_connection_errors)
+
+
+def test_drainer_starts_with_the_socket_and_kombu_connects_lazily(no_leaks: None) -> None:
+    before = set(drainer_threads())
+    with kombu.Connection(
+        f"amqp://guest:guest@{BROKER_HOST}//",
+        transport="drainer_amqp:Transport",
+        transport_options={"dedicated_drainer": True},
+    ) as kconn:
+        producer = kconn.Producer()  # no socket yet: kombu connects on first use
+        assert set(drainer_threads()) == before
+        producer.publish(b"x", routing_key=unique_name("nowhere"))
+        started = set(drainer_threads()) - before
+        assert [t.name for t in started] == [f"drainer-amqp-{kconn.connection.host}"]
+        assert isinstance(kconn.connection, drainer_amqp.Connection)
+        assert kconn.connection.drainer_stats()["running"] is True
+
+
+def test_kombu_url_scheme_alias_selects_the_transport() -> None:
+    kconn = kombu.Connection(f"drainer-amqp://guest:guest@{BROKER_HOST}//")
+    assert kconn.transport_cls == "drainer-amqp"
+    assert isinstance(kconn.transport, drainer_amqp.Transport)
+    kconn.release()
+
+
+# -- publishing and waiting -----------------------------------------------------------------
+
+
+def test_publish_never_waits_for_a_read_in_drainer_mode(connect, queue) -> None:
+    """While one thread sits in drain_events(), others publish and get their confirms:
+    they finish while that very drain_events call is still blocked."""
+    conn = connect("drainer")
+    idle = conn.channel()
+    idle_queue = idle.queue_declare("", exclusive=True).queue
+    idle.basic_consume(idle_queue, callback=lambda m: None)
+    drain_returned = threading.Event()
+    drain_started = threading.Event()
+
+    def stuck_consumer() -> None:
+        drain_started.set()
+        try:
+            conn.drain_events(timeout=30)
+        except BaseException:  # noqa: BLE001 - ends when the connection closes
+            pass
+        drain_returned.set()
+
+    consumer = threading.Thread(target=stuck_consumer, name="stuck-consumer")
+    consumer.start()
+    assert drain_started.wait(5)
+
+    def publisher() -> None:
+        channel = conn.channel()
+        channel.confirm_select()
+        for i in range(20):
+            channel.basic_publish_confirm(amqp.Message(str(i)), routing_key=queue)
+        channel.close()
+
+    assert run_threads([publisher] * 10, "publisher") == [None] * 10
+    assert not drain_returned.is_set(), "publishers should not have needed the reader"
+    assert wait_until(lambda: count_messages(conn, queue) == 200, 10)
+    conn.close()
+    consumer.join(JOIN)
+    assert drain_returned.is_set()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_threads_publish_while_another_drains(connect, queue, mode: str) -> None:
+    conn = connect(mode)
+    idle = conn.channel()
+    idle.basic_consume(idle.queue_declare("", exclusive=True).queue, callback=lambda m: None)
+    stop = threading.Event()
+
+    def consumer() -> None:
+        while not stop.is_set():
+            try:
+                conn.drain_events(timeout=1)
+            except TimeoutError:
+                pass
+
+    reader = threading.Thread(target=consumer, name="consumer")
+    reader.start()
+    try:
+
+        def publisher() -> None:
+            channel = conn.channel()
+            for i in range(10):
+                channel.basic_publish(amqp.Message(str(i)), routing_key=queue)
+
+        assert run_threads([publisher] * 8, "publisher") == [None] * 8
+        assert wait_until(lambda: count_messages(conn, queue) == 80, 10)
+    finally:
+        stop.set()
+        reader.join(JOIN)
+    assert not reader.is_alive()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_synchronous_methods_from_20_threads_at_once(connect, mode: str) -> None:
+    conn = connect(mode)
+    barrier = threading.Barrier(20, timeout=JOIN)
+
+    def worker() -> None:
+        barrier.wait()
+        channel = conn.channel()
+        name = unique_name()
+        ok = channel.queue_declare(name, auto_delete=False)
+        assert ok.queue == name
+        channel.basic_qos(0, 5, False)
+        channel.confirm_select()
+        channel.basic_publish_confirm(amqp.Message(name), routing_key=name)
+        message = channel.basic_get(name, no_ack=True)
+        assert message is not None and message.body == name
+        assert channel.queue_delete(name) == 0
+        channel.close()
+
+    assert run_threads([worker] * 20, "sync") == [None] * 20
+
+
+def test_confirms_on_one_shared_channel_are_matched_by_delivery_tag(connect, queue) -> None:
+    conn = connect("drainer")
+    channel = conn.channel()
+    channel.confirm_select()
+
+    def publisher() -> None:
+        for i in range(25):
+            channel.basic_publish_confirm(amqp.Message(str(i)), routing_key=queue)
+
+    assert run_threads([publisher] * 8, "shared") == [None] * 8
+    assert channel._unconfirmed == {}
+    assert wait_until(lambda: count_messages(conn, queue) == 200, 10)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_drain_events_times_out_like_py_amqp(connect, mode: str) -> None:
+    conn = connect(mode)
+    with pytest.raises(socket.timeout):
+        conn.drain_events(timeout=0.2)
+    with pytest.raises(socket.timeout):
+        conn.drain_events(timeout=0)
+
+
+def test_callbacks_run_in_the_draining_thread_in_delivery_order(connect, queue) -> None:
+    conn = connect("drainer")
+    channel = conn.channel()
+    seen: list[tuple[str, str]] = []
+
+    def on_message(message: amqp.Message) -> None:
+        seen.append((message.body, threading.current_thread().name))
+
+    channel.basic_consume(queue, no_ack=True, callback=on_message)
+    publisher = conn.channel()
+    publisher.confirm_select()
+    for i in range(100):
+        publisher.basic_publish_confirm(amqp.Message(f"{i:03}"), routing_key=queue)
+    results: list[str] = []
+
+    def drain() -> None:
+        while len(seen) < 100:
+            conn.drain_events(timeout=5)
+        results.extend(body for body, _ in seen)
+
+    assert run_threads([drain], "drain-thread") == [None]
+    assert results == [f"{i:03}" for i in range(100)]
+    assert {name for _, name in seen} == {"drain-thread-0"}
+
+
+def test_returned_message_reaches_the_draining_thread(connect) -> None:
+    conn = connect("drainer")
+    channel = conn.channel()
+    returned: list[tuple[str, str]] = []
+    channel.events["basic_return"].add(
+        lambda exc, exchange, routing_key, message: returned.append(
+            (routing_key, threading.current_thread().name)
+        )
+    )
+    key = unique_name("unroutable")
+    channel.basic_publish(amqp.Message(b"x"), routing_key=key, mandatory=True)
+    conn.drain_events(timeout=5)
+    assert returned == [(key, threading.current_thread().name)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_channel_error_is_raised_in_the_caller_and_the_channel_is_reopened(
+    connect, queue, mode: str
+) -> None:
+    conn = connect(mode)
+    channel = conn.channel()
+    with pytest.raises(NotFound):
+        channel.queue_declare(unique_name("missing"), passive=True)
+    assert channel.queue_declare(queue, passive=True).queue == queue
+    assert conn.connected
+
+
+# -- heartbeats and broker-side close ---------------------------------------------------------
+
+
+def test_heartbeats_keep_an_idle_publish_only_connection_alive(connect, queue) -> None:
+    conn = connect("drainer", heartbeat=1)
+    channel = conn.channel()
+    channel.confirm_select()
+    port = conn.sock.getsockname()[1]
+    # Idle for 4 heartbeat intervals: idleness is what is being tested.
+    threading.Event().wait(4)
+    stats = conn.drainer_stats()
+    assert stats["heartbeats_sent"] >= 4
+    assert stats["heartbeats_received"] >= 2
+    assert broker_connection_names(port), "the broker dropped the idle connection"
+    channel.basic_publish_confirm(amqp.Message(b"after idle"), routing_key=queue)
+    assert wait_until(lambda: count_messages(conn, queue) == 1, 5)
+
+
+def test_broker_side_close_is_noticed_at_once(connect, queue) -> None:
+    conn = connect("drainer")
+    channel = conn.channel()
+    port = conn.sock.getsockname()[1]
+    woke: list[BaseException] = []
+    waiting = threading.Event()
+
+    def waiter() -> None:
+        waiting.set()
+        try:
+            conn.drain_events(timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            woke.append(exc)
+
+    thread = threading.Thread(target=waiter, name="waiter")
+    thread.start()
+    assert waiting.wait(5)
+    from support.broker import close_broker_connections
+
+    assert close_broker_connections(port, "test: broker-side close") == 1
+    thread.join(JOIN)
+    assert not thread.is_alive()
+    recoverable = drainer_amqp.Transport.recoverable_connection_errors
+    assert len(woke) == 1 and isinstance(woke[0], recoverable), woke
+    assert "broker-side close" in str(woke[0])
+    assert not conn.connected  # noticed without any publish
+    assert not conn.drainer_stats()["running"]
+    with pytest.raises(recoverable):
+        channel.basic_publish(amqp.Message(b"x"), routing_key=queue)
+
+
+# -- intentional close ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_wakes_every_waiter_with_closed_intentionally(connect, mode: str) -> None:
+    conn = connect(mode)
+    idle = conn.channel()
+    idle.basic_consume(idle.queue_declare("", exclusive=True).queue, callback=lambda m: None)
+    ready = threading.Barrier(6, timeout=JOIN)
+
+    def blocked() -> None:
+        ready.wait()
+        while True:
+            try:
+                conn.drain_events(timeout=1 if mode == "legacy" else 30)
+            except TimeoutError:
+                pass
+
+    results: list[list[BaseException | None]] = []
+    runner = threading.Thread(
+        target=lambda: results.append(run_threads([blocked] * 5, "blocked")),
+        name="runner",
+    )
+    runner.start()
+    ready.wait()
+    conn.close()
+    runner.join(JOIN)
+    assert not runner.is_alive()
+    assert all(isinstance(e, ConnectionClosedIntentionally) for e in results[0]), results
+    with pytest.raises(ConnectionClosedIntentionally):
+        conn.drain_events(timeout=1)
+    with pytest.raises(ConnectionClosedIntentionally):
+        idle.basic_publish(amqp.Message(b"x"), routing_key="nowhere")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_is_idempotent_and_safe_from_two_threads(connect, mode: str, no_leaks) -> None:
+    conn = connect(mode)
+    conn.channel()
+    barrier = threading.Barrier(2, timeout=JOIN)
+
+    def closer() -> None:
+        barrier.wait()
+        conn.close()
+
+    assert run_threads([closer, closer], "closer") == [None, None]
+    conn.close()
+    conn.collect()
+    assert not conn.connected
+
+
+def close_under_load_once(conn: drainer_amqp.Connection, queue: str) -> list[BaseException]:
+    """close() while a consumer thread drains and a publisher thread publishes."""
+    consumer_channel = conn.channel()
+    consumer_channel.basic_consume(queue, no_ack=True, callback=lambda m: None)
+    publisher_channel = conn.channel()
+    running = threading.Barrier(3, timeout=JOIN)
+    outcomes: list[BaseException] = []
+
+    def consume() -> None:
+        running.wait()
+        try:
+            while True:
+                try:
+                    conn.drain_events(timeout=1)
+                except TimeoutError:
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            outcomes.append(exc)
+
+    def publish() -> None:
+        running.wait()
+        try:
+            while True:
+                publisher_channel.basic_publish(amqp.Message(b"load"), routing_key=queue)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            outcomes.append(exc)
+
+    threads = [
+        threading.Thread(target=consume, name="load-consumer"),
+        threading.Thread(target=publish, name="load-publisher"),
+    ]
+    for t in threads:
+        t.start()
+    running.wait()
+    conn.close()
+    for t in threads:
+        t.join(JOIN)
+        assert not t.is_alive(), f"{t.name} still running after close()"
+    return outcomes
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_under_load_20_times_in_a_row(connect, queue, mode: str, no_leaks) -> None:
+    for _ in range(20):
+        outcomes = close_under_load_once(connect(mode), queue)
+        assert len(outcomes) == 2
+        assert all(isinstance(e, ConnectionClosedIntentionally) for e in outcomes), outcomes
+    assert not drainer_threads()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_200_connect_close_cycles_leave_no_thread_or_descriptor(mode: str, no_leaks) -> None:
+    for _ in range(200):
+        conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=(mode == "drainer"))
+        conn.connect()
+        conn.channel()
+        conn.close()
+    assert not drainer_threads()
+
+
+def test_drainer_stats_are_plain_numbers(connect, queue) -> None:
+    conn = connect("drainer")
+    channel = conn.channel()
+    channel.confirm_select()
+    channel.basic_publish_confirm(amqp.Message(b"x"), routing_key=queue)
+    stats = conn.drainer_stats()
+    assert stats["running"] is True
+    for key in ("frames_read", "bytes_read", "heartbeats_sent", "heartbeats_received"):
+        assert isinstance(stats[key], int)
+    assert stats["frames_read"] > 0 and stats["bytes_read"] > 0
+    assert isinstance(stats["lock_held_seconds"], float) and stats["lock_held_seconds"] > 0
+    assert stats["waiting_threads"] == 0
