@@ -4,7 +4,8 @@ Public API: :class:`Connection`, :class:`Transport`, :class:`SSLTransport` and t
 errors in :mod:`drainer_amqp.errors`. See the README for the threading contract.
 """
 
-from .connection import Channel, Connection
+from .channel import Channel
+from .connection import Connection
 from .errors import ConnectionClosedIntentionally, ConnectionLost, HeartbeatTimeout, MalformedFrame
 from .transport import SSLTransport, Transport
 
