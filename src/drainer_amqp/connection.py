@@ -89,12 +89,15 @@ class _Signal:
                 pass
 
     def clear(self) -> None:
-        self._is_set = False
+        # Empty the pipe first, then reset the flag: the other way round, a set()
+        # landing in between would have its byte read away while the flag stayed
+        # set, and no later set() would ever write again.
         try:
             while self._r.recv(4096):
                 pass
         except OSError:
             pass
+        self._is_set = False
 
     def close(self) -> None:
         self._r.close()
@@ -213,7 +216,11 @@ class Connection(amqp.Connection):
         if error is not None:
             self._end(self._as_connection_error(error))
         if not isinstance(self._reason, ConnectionClosedIntentionally):
+            # Failed: release the socket and the wake-up pair now, not when kombu gets
+            # round to collect() (it may just drop the connection).
             self._close_socket()
+            if self._drainer is not None:
+                self._drainer.close()
         self._close_ok.set()  # a close() in progress need not wait any longer
 
     # -- connecting ----------------------------------------------------------------------

@@ -108,7 +108,8 @@ class Drainer:
         return not self.thread.is_alive()
 
     def close(self) -> None:
-        """Release the wake-up pair. Call after :meth:`stop` returned True."""
+        """Release the wake-up pair: once the thread has ended, or from the thread itself
+        as it exits (a later :meth:`wake` is then a no-op)."""
         self._wake_r.close()
         self._wake_w.close()
 
