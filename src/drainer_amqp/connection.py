@@ -39,8 +39,7 @@ import socket
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from time import monotonic, perf_counter
 from typing import Any
 
@@ -54,6 +53,7 @@ from .channel import Channel, _Reply
 from .drainer import Drainer
 from .errors import ConnectionClosedIntentionally, ConnectionLost
 from .framing import Frame
+from .locks import FairRLock
 
 __all__ = ["Connection"]
 
@@ -115,14 +115,6 @@ def _locked_frame_writer(connection: Connection, transport: Any) -> Callable[...
     def write_frame_locked(
         type_: int, channel: int, method_sig: Any, args: Any, content: Any
     ) -> None:
-        if connection._drainer is None:
-            with connection._writer_turns():
-                return write_frame_under_lock(type_, channel, method_sig, args, content)
-        return write_frame_under_lock(type_, channel, method_sig, args, content)
-
-    def write_frame_under_lock(
-        type_: int, channel: int, method_sig: Any, args: Any, content: Any
-    ) -> None:
         with connection._transport_lock:
             if connection._reason is not None:
                 raise connection._error_for_caller()
@@ -160,37 +152,21 @@ class Connection(amqp.Connection):
         self.frame_writer_cls = _locked_frame_writer
 
     def _init_locks(self) -> None:
-        self._transport_lock = threading.RLock()
+        # Legacy readers hold this lock across blocking reads, so waiters must get it
+        # in turn; the drainer holds it only for dispatches and writes.
+        self._transport_lock: threading.RLock | FairRLock = (
+            threading.RLock() if self.dedicated_drainer else FairRLock()
+        )
         self._state_lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._channel_id_lock = threading.Lock()
         self._callback_lock = threading.RLock()
         self._inbox_ready = threading.Condition(threading.Lock())
         self._close_ok = threading.Event()
-        self._writers_waiting = 0
-        self._no_writers_waiting = threading.Condition(threading.Lock())
-
-    @contextmanager
-    def _writer_turns(self) -> Iterator[None]:
-        """Legacy mode: announce a writer, so readers let it have the lock first.
-
-        Python's locks are not fair: a reader looping on ``drain_events(timeout=1)``
-        would take the lock back before a waiting publisher wakes, starving it for
-        many read timeouts instead of one.
-        """
-        with self._no_writers_waiting:
-            self._writers_waiting += 1
-        try:
-            yield
-        finally:
-            with self._no_writers_waiting:
-                self._writers_waiting -= 1
-                if not self._writers_waiting:
-                    self._no_writers_waiting.notify_all()
 
     # -- DrainerSink ---------------------------------------------------------------------
     @property
-    def transport_lock(self) -> threading.RLock:  # type: ignore[override]
+    def transport_lock(self) -> threading.RLock | FairRLock:
         return self._transport_lock
 
     def dispatch_frames(self, frames: list[Frame]) -> None:
@@ -369,9 +345,8 @@ class Connection(amqp.Connection):
             return
         # Legacy: never wait for CloseOk while holding the lock, so that a thread in a
         # blocking read can deliver it; read it ourselves only when the lock is free.
-        with self._writer_turns():
-            if not self._transport_lock.acquire(timeout=CLOSE_TIMEOUT):
-                return  # a reader holds the socket for good; collect() shuts it down
+        if not self._transport_lock.acquire(timeout=CLOSE_TIMEOUT):
+            return  # a reader holds the socket for good; collect() shuts it down
         try:
             AbstractChannel.send_method(self, spec.Connection.Close, argsig, args)
         finally:
@@ -440,11 +415,7 @@ class Connection(amqp.Connection):
         seen = self._dispatched
         deadline = None if timeout is None else monotonic() + timeout
         lock = self._transport_lock
-        if self._writers_waiting and not lock._is_owned():  # type: ignore[attr-defined]
-            with self._no_writers_waiting:
-                self._no_writers_waiting.wait_for(lambda: not self._writers_waiting, timeout)
-        remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
-        if not lock.acquire(timeout=-1 if remaining is None else remaining):
+        if not lock.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError()
         try:
             self._raise_if_ended()

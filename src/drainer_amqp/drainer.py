@@ -25,7 +25,7 @@ import ssl
 import threading
 from dataclasses import asdict, dataclass
 from time import monotonic
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import ConnectionLost, HeartbeatTimeout
 from .framing import Frame, FrameAssembler
@@ -38,8 +38,10 @@ READ_SIZE = 256 * 1024
 class DrainerSink(Protocol):
     """What the drainer needs from its connection."""
 
-    transport_lock: threading.RLock
     bytes_sent: int
+
+    @property
+    def transport_lock(self) -> Any: ...
 
     def dispatch_frames(self, frames: list[Frame]) -> None: ...
     def try_send_heartbeat(self) -> bool: ...

@@ -1,0 +1,238 @@
+"""A WSGI app for gunicorn's ``gthread`` worker: one kombu connection per process.
+
+Every request publishes one message (with a publisher confirm) to ``APP_QUEUE``. All
+request threads of a worker share one kombu connection; each thread publishes on its own
+channel (a thread-local ``Producer``). A consumer thread drains the same connection
+(``drain_events(timeout=1)`` in a loop), consuming a per-process queue of control events.
+
+In legacy mode (``DRAINER_MODE=legacy``) that consumer holds the socket for up to its
+drain timeout, so a request's publish may wait up to 1 s; in drainer mode
+(``DRAINER_MODE=drainer``, the default) the drainer thread reads the socket and
+publishes never wait behind the consumer.
+
+Run (from the repository root)::
+
+    DRAINER_MODE=drainer AMQP_URL=amqp://guest:guest@127.0.0.1:5672// APP_QUEUE=demo \\
+        python -m gunicorn -k gthread --threads 8 -w 2 -b 127.0.0.1:8000 examples.gunicorn_app:app
+
+Environment:
+
+``DRAINER_MODE``  ``drainer`` (default) or ``legacy``.
+``AMQP_URL``      broker URL (default ``amqp://guest:guest@127.0.0.1:5672//``).
+``APP_QUEUE``     queue the requests publish to; declared on start, never deleted here.
+``PRELOAD_CONNECT=1``  also connect at import time and declare the queue, so that with
+                  ``--preload`` the gunicorn master has a live connection (and a running
+                  drainer thread) when it forks the workers. Workers never use the
+                  master's connection: each process connects for itself on first use.
+
+Endpoints: ``GET /publish`` (publish one message, ``200 published by <pid>``) and
+``GET /health`` (connect if needed; JSON with the pid, the mode and the drainer's state).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import kombu
+from kombu import Consumer, Producer, Queue
+
+import drainer_amqp
+
+logger = logging.getLogger("gunicorn_app")
+
+MODE = os.environ.get("DRAINER_MODE", "drainer")
+if MODE not in ("drainer", "legacy"):
+    raise ValueError(f"DRAINER_MODE must be 'drainer' or 'legacy', not {MODE!r}")
+AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+QUEUE = os.environ.get("APP_QUEUE", "gunicorn-example")
+DRAIN_TIMEOUT = 1.0  # the consumer thread's drain_events(timeout=...)
+HEARTBEAT = 10
+
+
+def connect(role: str) -> kombu.Connection:
+    """A kombu connection on drainer-amqp's transport, connected; the work queue declared.
+
+    Publishes are confirmed (``confirm_publish``): a request answers ``200`` only once the
+    broker has the message. The connection is named after the process, so it can be
+    found on the broker (``rabbitmqctl list_connections user_provided_name``)."""
+    conn = kombu.Connection(
+        AMQP_URL,
+        transport="drainer_amqp:Transport",
+        transport_options={
+            "dedicated_drainer": MODE == "drainer",
+            "confirm_publish": True,
+            "client_properties": {"connection_name": f"{QUEUE}:{role}:{os.getpid()}"},
+        },
+        heartbeat=HEARTBEAT,
+    )
+    conn.ensure_connection(max_retries=3)
+    channel = conn.channel()
+    try:
+        work_queue(channel).declare()
+    finally:
+        channel.close()
+    return conn
+
+
+def work_queue(channel: Any = None) -> Queue:
+    return Queue(QUEUE, durable=False, auto_delete=False, channel=channel)
+
+
+class ProcessState:
+    """This process's connection, its consumer thread and the request threads' producers.
+
+    Created lazily by the first request of each process (so it is safe with gunicorn's
+    ``--preload``: nothing made before the fork is used after it)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.conn = connect("worker")
+        self.local = threading.local()
+        self.stopping = threading.Event()
+        self.events_received = 0
+        events = Queue(
+            f"{QUEUE}.events.{self.pid}", durable=False, exclusive=True, auto_delete=True
+        )
+        self._consumer_channel = self.conn.channel()
+        self._consumer = Consumer(
+            self._consumer_channel, queues=[events], callbacks=[self._on_event]
+        )
+        self._consumer.consume()
+        self.consumer_thread = threading.Thread(
+            target=self._drain_loop, name=f"app-consumer-{self.pid}", daemon=True
+        )
+        self.consumer_thread.start()
+
+    def _on_event(self, body: Any, message: Any) -> None:
+        self.events_received += 1
+        message.ack()
+
+    def _drain_loop(self) -> None:
+        conn = self.conn
+        while not self.stopping.is_set():
+            try:
+                conn.drain_events(timeout=DRAIN_TIMEOUT)
+            except TimeoutError:
+                continue
+            except drainer_amqp.ConnectionClosedIntentionally:
+                return  # shutdown
+            except conn.connection_errors:
+                if self.stopping.is_set():
+                    return
+                logger.exception("consumer connection failed; this worker stops consuming")
+                return
+
+    def producer(self) -> Producer:
+        """This request thread's producer, on a channel of its own."""
+        producer = getattr(self.local, "producer", None)
+        if producer is None:
+            producer = Producer(self.conn.channel())
+            self.local.producer = producer
+        return producer
+
+    def publish(self, body: str) -> None:
+        self.producer().publish(body, routing_key=QUEUE)
+
+    def health(self) -> dict[str, Any]:
+        raw = self.conn.connection
+        stats = raw.drainer_stats()
+        return {
+            "pid": self.pid,
+            "mode": MODE,
+            "connected": bool(raw.connected),
+            "drainer_running": bool(stats["running"]),
+            "consumer_alive": self.consumer_thread.is_alive(),
+            "inherited_connected": inherited_connected(),
+        }
+
+    def close(self) -> None:
+        """Stop the consumer thread and close the connection (process exit)."""
+        self.stopping.set()
+        try:
+            self.conn.connection.close()  # wakes the consumer thread at once
+        except Exception:  # noqa: BLE001 - best effort at exit
+            logger.debug("close failed", exc_info=True)
+        self.consumer_thread.join(DRAIN_TIMEOUT + 5)
+        self.conn.release()
+
+
+_lock = threading.Lock()
+_state: ProcessState | None = None
+_preloaded: kombu.Connection | None = None  # the master's connection, PRELOAD_CONNECT=1
+
+
+def _reinit_lock_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at fork time
+
+
+os.register_at_fork(after_in_child=_reinit_lock_in_child)
+
+
+def state() -> ProcessState:
+    """This process's state, created on first use (never one inherited through fork)."""
+    global _state
+    current = _state
+    if current is not None and current.pid == os.getpid():
+        return current
+    with _lock:
+        if _state is None or _state.pid != os.getpid():
+            _state = ProcessState()
+        return _state
+
+
+def inherited_connected() -> bool | None:
+    """Whether the connection made at import (before a fork) looks connected here.
+
+    In the master that made it: True. In a forked worker: False, because drainer-amqp
+    marks connections inherited through fork as lost (they belong to the parent)."""
+    if _preloaded is None:
+        return None
+    raw = _preloaded._connection
+    return bool(raw is not None and raw.connected)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    pid = os.getpid()
+    if _state is not None and _state.pid == pid:
+        _state.close()
+    if _preloaded is not None and _preload_pid == pid:
+        _preloaded.release()
+
+
+_preload_pid = os.getpid()
+if os.environ.get("PRELOAD_CONNECT") == "1":
+    _preloaded = connect("preload")
+
+
+Response = tuple[str, list[tuple[str, str]], bytes]
+
+
+def _handle(path: str) -> Response:
+    if path == "/publish":
+        st = state()
+        st.publish(f"{st.pid}:{threading.get_ident()}")
+        return "200 OK", [("Content-Type", "text/plain")], f"published by {st.pid}\n".encode()
+    if path == "/health":
+        body = json.dumps(state().health()).encode()
+        return "200 OK", [("Content-Type", "application/json")], body
+    return "404 Not Found", [("Content-Type", "text/plain")], b"not found\n"
+
+
+def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    try:
+        status, headers, body = _handle(environ.get("PATH_INFO", "/"))
+    except Exception as exc:  # noqa: BLE001 - report to the client, log for the operator
+        logger.exception("request failed")
+        status, headers = "500 Internal Server Error", [("Content-Type", "text/plain")]
+        body = f"{type(exc).__name__}: {exc}\n".encode()
+    headers.append(("Content-Length", str(len(body))))
+    start_response(status, headers)
+    return [body]
