@@ -225,7 +225,24 @@ def test_synchronous_methods_from_20_threads_at_once(connect, mode: str) -> None
         assert channel.queue_delete(name) == 0
         channel.close()
 
-    assert run_threads([worker] * 20, "sync") == [None] * 20
+    # A reader beside them: in legacy mode it reads other threads' replies, which must
+    # still reach them (the wait is registered before the request is written).
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                conn.drain_events(timeout=0.05)
+            except TimeoutError:
+                pass
+
+    reader_thread = threading.Thread(target=reader, name="reader")
+    reader_thread.start()
+    try:
+        assert run_threads([worker] * 20, "sync") == [None] * 20
+    finally:
+        stop.set()
+        reader_thread.join(JOIN)
 
 
 def test_confirms_on_one_shared_channel_are_matched_by_delivery_tag(connect, queue) -> None:

@@ -6,13 +6,19 @@ drainer fills it, so a fast reply cannot slip past it (py-amqp issue 90). Confir
 matched by delivery tag, so several threads may wait for confirms on one channel; other
 synchronous methods on one channel must not be called by two threads at once. Listeners
 that would run user code (deliveries, returns, cancels, ack events) are queued for the
-threads that call ``drain_events()``. In legacy mode every method is py-amqp's own.
+threads that call ``drain_events()``.
+
+Legacy mode uses the same registration, but the waiting thread reads the socket itself
+(under the transport lock) until some reader, perhaps another thread, has filled its
+wait; callbacks run in whichever thread read the frame, as in py-amqp. A channel closed
+by the broker is recorded and raised in the thread that uses that channel, in both modes.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from amqp import spec
@@ -64,8 +70,8 @@ class Channel(pyamqp.Channel):
         self._ended_connection: Connection | None = None
         super().__init__(*args, **kwargs)
 
-    def _drainer_conn(self) -> Connection | None:
-        """The connection if it runs in drainer mode, else None (legacy or collected).
+    def _live_conn(self) -> Connection | None:
+        """The connection, or None once this channel was closed.
 
         On a channel whose connection was closed or failed, raises that reason: a
         publish after ``close()`` must say ``ConnectionClosedIntentionally`` (so kombu
@@ -75,38 +81,48 @@ class Channel(pyamqp.Channel):
             ended = self._ended_connection
             if ended is not None and ended._reason is not None:
                 raise ended._error_for_caller()
-            return None
-        if conn._drainer is None:
-            return None
         return conn
+
+    def _drainer_conn(self) -> Connection | None:
+        """The connection if it runs in drainer mode, else None (legacy or closed)."""
+        conn = self._live_conn()
+        return conn if conn is not None and conn._drainer is not None else None
 
     def collect(self) -> None:
         self._ended_connection = self.connection or self._ended_connection
         super().collect()
 
     # -- waiting for replies ---------------------------------------------------------
-    def _expect(self, methods: Any) -> _Reply:
+    def _expect(self, conn: Connection, methods: Any) -> _Reply:
+        """Register a wait *before* the request is written (py-amqp issue 90)."""
         methods = methods if isinstance(methods, list) else [methods]
         reply = _Reply(self, methods)
         for method in methods:
             self._pending[method] = reply
-        conn = self.connection
         conn._waiters.add(reply)
         if conn._reason is not None or self._close_error is not None:
             reply.fail(self._close_error)
         return reply
 
-    def _forget(self, reply: _Reply) -> None:
+    def _forget(self, conn: Connection, reply: _Reply) -> None:
         for method in reply.methods:
             if self._pending.get(method) is reply:
                 del self._pending[method]
-        conn = reply.channel.connection
-        if conn is not None:
-            conn._waiters.discard(reply)
+        conn._waiters.discard(reply)
 
     def _await(self, reply: _Reply, conn: Connection, timeout: float | None) -> tuple[Any, ...]:
-        if not reply.event.wait(timeout):
-            raise TimeoutError()
+        """Sleep until the drainer fills ``reply`` (drainer mode), or read the socket
+        until some reader has (legacy mode)."""
+        if conn._drainer is not None:
+            if not reply.event.wait(timeout):
+                raise TimeoutError()
+        else:
+            deadline = None if timeout is None else monotonic() + timeout
+            while not reply.event.is_set():
+                remaining = None if deadline is None else deadline - monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError()
+                conn._read_events(remaining, until=reply.event.is_set)
         if reply.value is not None:
             return reply.value
         error = reply.error or self._close_error
@@ -134,19 +150,23 @@ class Channel(pyamqp.Channel):
         callback: Any = None,
         returns_tuple: bool = False,
     ) -> Any:
-        conn = self._drainer_conn()
+        conn = self._live_conn()
         if conn is None:
             return super().send_method(sig, format, args, content, wait, callback, returns_tuple)
         if self._close_error is not None and sig not in (spec.Channel.CloseOk, spec.Channel.Close):
             self._raise_channel_error(conn, self._close_error)
+        if sig == spec.Basic.Publish and self._confirm_mode:
+            with conn._transport_lock:  # the delivery tag is the write order on this channel
+                self._publish_seq += 1
+                return super().send_method(sig, format, args, content, None, callback)
         if not wait:
             return super().send_method(sig, format, args, content, None, callback)
-        reply = self._expect(wait)
+        reply = self._expect(conn, wait)
         try:
             super().send_method(sig, format, args, content, None, callback)
             return self._finish_wait(reply, conn, None, None, returns_tuple)
         finally:
-            self._forget(reply)
+            self._forget(conn, reply)
 
     def wait(  # type: ignore[override]
         self,
@@ -155,14 +175,14 @@ class Channel(pyamqp.Channel):
         timeout: float | None = None,
         returns_tuple: bool = False,
     ) -> Any:
-        conn = self._drainer_conn()
+        conn = self._live_conn()
         if conn is None:
             return super().wait(method, callback, timeout, returns_tuple)
-        reply = self._prepared.pop(threading.get_ident(), None) or self._expect(method)
+        reply = self._prepared.pop(threading.get_ident(), None) or self._expect(conn, method)
         try:
             return self._finish_wait(reply, conn, callback, timeout, returns_tuple)
         finally:
-            self._forget(reply)
+            self._forget(conn, reply)
 
     def _finish_wait(
         self,
@@ -179,23 +199,23 @@ class Channel(pyamqp.Channel):
 
     def queue_declare(self, *args: Any, **kwargs: Any) -> Any:
         # py-amqp writes Queue.Declare and only then waits for DeclareOk: register first.
-        conn = self._drainer_conn()
+        conn = self._live_conn()
         if conn is None or kwargs.get("nowait") or (len(args) > 5 and args[5]):
             return super().queue_declare(*args, **kwargs)
-        reply = self._expect(spec.Queue.DeclareOk)
+        reply = self._expect(conn, spec.Queue.DeclareOk)
         self._prepared[threading.get_ident()] = reply  # claimed by wait() below
         try:
             return super().queue_declare(*args, **kwargs)
         finally:
             self._prepared.pop(threading.get_ident(), None)
-            self._forget(reply)
+            self._forget(conn, reply)
 
     # -- publishing --------------------------------------------------------------------
     def confirm_select(self, nowait: bool = False) -> Any:
-        conn = self._drainer_conn()
+        conn = self._live_conn()
         if conn is None:
             return super().confirm_select(nowait)
-        reply = None if nowait else self._expect(spec.Confirm.SelectOk)
+        reply = None if nowait else self._expect(conn, spec.Confirm.SelectOk)
         try:
             with conn._transport_lock:  # publishes are numbered from here on
                 self._publish_seq = 0
@@ -205,7 +225,7 @@ class Channel(pyamqp.Channel):
                 self._await(reply, conn, None)
         finally:
             if reply is not None:
-                self._forget(reply)
+                self._forget(conn, reply)
 
     def _basic_publish(
         self,
@@ -237,9 +257,10 @@ class Channel(pyamqp.Channel):
         argsig: str,
         want_confirm: bool,
     ) -> tuple[int, _Reply] | None:
-        """Write one Basic.Publish (drainer mode). py-amqp's version also reads the socket
-        (``drain_events(timeout=0)``) to see blocked notices; here the drainer does that."""
-        conn = self.connection
+        """Write one Basic.Publish. Unlike py-amqp's, it does not read the socket
+        (``drain_events(timeout=0)``) to see blocked notices: the drainer, or the
+        confirm wait that follows in legacy mode, reads them."""
+        conn = self._live_conn()
         if conn is None:
             raise RecoverableConnectionError("basic_publish: connection closed")
         if self._close_error is not None:
@@ -280,7 +301,7 @@ class Channel(pyamqp.Channel):
         conn._waiters.discard(ticket[1])
 
     def basic_publish_confirm(self, *args: Any, **kwargs: Any) -> Any:
-        conn = self._drainer_conn()
+        conn = self._live_conn()
         if conn is None:
             return super().basic_publish_confirm(*args, **kwargs)
         confirm_timeout = kwargs.pop("confirm_timeout", None)
@@ -288,13 +309,8 @@ class Channel(pyamqp.Channel):
         if not self._confirm_selected:
             self._confirm_selected = True
             self.confirm_select()
-        params = dict(
-            zip(
-                ("msg", "exchange", "routing_key", "mandatory", "immediate", "timeout"),
-                args,
-                strict=False,
-            )
-        )
+        names = ("msg", "exchange", "routing_key", "mandatory", "immediate", "timeout")
+        params = dict(zip(names, args, strict=False))
         params.update(kwargs)
         ticket = self._publish(
             params["msg"],
@@ -326,18 +342,18 @@ class Channel(pyamqp.Channel):
 
     # -- listeners: called by dispatch (the drainer thread in drainer mode) ----------------
     def _on_basic_ack(self, delivery_tag: int, multiple: bool) -> None:
+        self._settle(spec.Basic.Ack, delivery_tag, multiple)
         conn = self._drainer_conn()
         if conn is None:
             return super()._on_basic_ack(delivery_tag, multiple)
-        self._settle(spec.Basic.Ack, delivery_tag, multiple)
         if self.events.get("basic_ack"):
             conn._post(super()._on_basic_ack, delivery_tag, multiple)
 
     def _on_basic_nack(self, delivery_tag: int, multiple: bool) -> None:
+        self._settle(spec.Basic.Nack, delivery_tag, multiple)
         conn = self._drainer_conn()
         if conn is None:
             return super()._on_basic_nack(delivery_tag, multiple)
-        self._settle(spec.Basic.Nack, delivery_tag, multiple)
         if self.events.get("basic_nack"):
             conn._post(super()._on_basic_nack, delivery_tag, multiple)
 
@@ -360,12 +376,12 @@ class Channel(pyamqp.Channel):
         conn._post(super()._on_basic_cancel, consumer_tag)
 
     def _on_close(self, reply_code: int, reply_text: str, class_id: int, method_id: int) -> None:
-        conn = self._drainer_conn()
-        if conn is None:
-            return super()._on_close(reply_code, reply_text, class_id, method_id)
+        conn = self.connection
         # The broker closed this channel. Reopening it needs a wait, which the drainer
-        # must never do: record the error, wake this channel's waiters, and let the
-        # first thread that uses the channel reopen it and raise the error.
+        # must never do, and which in legacy mode belongs to the thread that used the
+        # channel, not to whichever thread read the frame: record the error, wake this
+        # channel's waiters, and let the first thread that uses the channel reopen it
+        # and raise the error.
         AbstractChannel.send_method(self, spec.Channel.CloseOk)
         self.is_open = False
         if self.is_closing or conn.is_closing:

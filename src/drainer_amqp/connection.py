@@ -410,7 +410,7 @@ class Connection(amqp.Connection):
             return self._run_next_callback(timeout)
         return self._read_events(timeout)
 
-    def _read_events(self, timeout: float | None) -> Any:
+    def _read_events(self, timeout: float | None, until: Callable[[], bool] | None = None) -> Any:
         self._raise_if_ended()
         seen = self._dispatched
         deadline = None if timeout is None else monotonic() + timeout
@@ -419,7 +419,7 @@ class Connection(amqp.Connection):
             raise TimeoutError()
         try:
             self._raise_if_ended()
-            if self._dispatched != seen:
+            if self._dispatched != seen or (until is not None and until()):
                 return True  # another reader handled a method while we waited: recheck
             remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
             try:
