@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create the environment and run the benchmarks, legacy vs drainer (the README's first
+# command). Full mode by default; DRAINER_BENCH_QUICK=1 for the short CI variant.
+# Prints each benchmark's table and writes bench-results/report.md, results.json and
+# the PNG plots. Extra arguments go to pytest (e.g. -k reset_peer).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test,bench]'
+# The gunicorn benchmark loads the app with wrk when it is installed (Debian package),
+# and with a small Python client otherwise.
+if ! command -v wrk >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get install -y -q wrk || (apt-get update -q && apt-get install -y -q wrk)) \
+    >/dev/null 2>&1 || echo "wrk not available: the gunicorn benchmark uses its Python client"
+fi
+export DRAINER_BENCH_QUICK="${DRAINER_BENCH_QUICK:-0}"
+start=$(date +%s)
+# bench_*.py files are benchmarks too: pytest collects only test_*.py by default.
+.venv/bin/python -m pytest tests/benchmarks -m benchmark -s -p no:cacheprovider \
+    -o python_files='test_*.py bench_*.py' "$@"
+echo "benchmarks done in $(( $(date +%s) - start )) s; report: bench-results/report.md"
