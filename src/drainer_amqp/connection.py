@@ -435,12 +435,15 @@ class Connection(amqp.Connection):
         deadline = None if timeout is None else monotonic() + timeout
         while True:
             with self._inbox_ready:
-                while not self._inbox:
-                    self._raise_if_ended()
+                while not self._inbox and self._reason is None:
                     remaining = None if deadline is None else deadline - monotonic()
                     if remaining is not None and remaining <= 0:
-                        raise TimeoutError()
+                        break
                     self._inbox_ready.wait(remaining)
+                ready = bool(self._inbox)
+            self._raise_if_ended()  # outside the lock: the other woken threads need it
+            if not ready:
+                raise TimeoutError()
             remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
             if not self._callback_lock.acquire(timeout=-1 if remaining is None else remaining):
                 raise TimeoutError()
