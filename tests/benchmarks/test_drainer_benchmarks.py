@@ -177,7 +177,9 @@ def test_publish_latency_beside_stuck_consumer(bench_report: Collector) -> None:
             fmt_ms(dr["p99"]),
             f"< {fmt_ms(DRAINER_P99_TARGET)}",
             dr["p99"] < DRAINER_P99_TARGET,
-            asserted=True,
+            # 60 samples make the quick mode's P99 its second-worst publish: one
+            # scheduling hiccup on 2 shared cores. The full run (300) asserts it.
+            asserted=not QUICK,
         ),
         Target(
             "legacy P99 / drainer P99",
