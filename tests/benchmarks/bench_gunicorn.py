@@ -44,6 +44,8 @@ import pytest
 from support.broker import BROKER_HOST, unique_name
 from test_gunicorn import Gunicorn, health_by_pid
 
+from benchmarks.report import percentile
+
 QUICK = os.environ.get("DRAINER_BENCH_QUICK", "") not in ("", "0")
 DURATION = 5 if QUICK else 30  # seconds of load per mode and round
 ROUNDS = int(os.environ.get("DRAINER_BENCH_GUNICORN_ROUNDS", "1"))
@@ -82,16 +84,6 @@ class Run:
     @property
     def rate(self) -> float:
         return self.requests / self.seconds if self.seconds else math.nan
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def wrk_command(port: int, script: str) -> list[str]:
