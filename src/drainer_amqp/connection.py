@@ -493,11 +493,6 @@ class Connection(amqp.Connection):
                 return done
             done += 1
 
-    @property
-    def pending_callbacks(self) -> int:
-        """Deliveries and callbacks queued for ``drain_events()`` callers."""
-        return len(self._inbox)
-
     def _on_blocked(self) -> Any:
         if self._drainer is None:
             return super()._on_blocked()
