@@ -177,23 +177,18 @@ def test_publish_latency_beside_stuck_consumer(bench_report: Collector) -> None:
             fmt_ms(dr["p99"]),
             f"< {fmt_ms(DRAINER_P99_TARGET)}",
             dr["p99"] < DRAINER_P99_TARGET,
-            # 60 samples make the quick mode's P99 its second-worst publish: one
-            # scheduling hiccup on 2 shared cores. The full run (300) asserts it.
-            asserted=not QUICK,
         ),
         Target(
             "legacy P99 / drainer P99",
             fmt_ratio(p99_ratio),
             f">= {MIN_P99_RATIO:.0f}x",
             p99_ratio >= MIN_P99_RATIO,
-            asserted=True,
         ),
         Target(
             "drainer P50 / legacy P50",
             fmt_ratio(p50_ratio),
             f"<= {MAX_P50_RATIO}x",
             p50_ratio <= MAX_P50_RATIO,
-            asserted=True,
         ),
         Target(
             "no consumer: drainer P50 / legacy P50",
