@@ -8,6 +8,7 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test,bench]'
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/mypy
 .venv/bin/python -m pytest -q "$@"
 DRAINER_BENCH_QUICK=1 .venv/bin/python -m pytest -q tests/benchmarks -m benchmark \

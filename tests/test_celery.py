@@ -423,9 +423,11 @@ def test_worker_keeps_consuming_a_long_stream(
             _run_threads(produce, n_threads, timeout=120)
             done = 0
             while done < total:  # fail on a stall, not on a slow machine
-                progressed = wait_until(
-                    lambda done=done: len(os.listdir(markers_dir)) > done, 15, interval=0.2
-                )
+
+                def more_done(done: int = done) -> bool:
+                    return len(os.listdir(markers_dir)) > done
+
+                progressed = wait_until(more_done, 15, interval=0.2)
                 now = len(os.listdir(markers_dir))
                 assert progressed, (
                     f"worker stopped consuming: {now}/{total} tasks ran, no progress for 15s, "

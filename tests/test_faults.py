@@ -157,6 +157,7 @@ def test_a_frame_arriving_in_small_slow_pieces_is_delivered_whole_without_spinni
         publisher = direct.channel()
         publisher.confirm_select()
         drainer = next(t for t in threading.enumerate() if t.name.startswith("drainer-amqp-127"))
+        assert drainer.native_id is not None
         cpu_before = thread_cpu_seconds(drainer.native_id)
         stats_before = conn.drainer_stats()
         publisher.basic_publish_confirm(

@@ -380,7 +380,7 @@ def lost_link_warnings(caplog: pytest.LogCaptureFixture) -> list[BaseException]:
     return [
         r.exc_info[1]
         for r in list(caplog.records)
-        if r.name == "kombu.mixins" and r.msg == W_CONN_LOST and r.exc_info
+        if r.name == "kombu.mixins" and r.msg == W_CONN_LOST and r.exc_info and r.exc_info[1]
     ]
 
 

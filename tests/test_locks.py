@@ -15,7 +15,12 @@ def test_waiters_get_the_lock_in_arrival_order() -> None:
     lock.acquire()
     threads = []
     for i in range(8):
-        t = threading.Thread(target=lambda i=i: (lock.acquire(), order.append(i), lock.release()))
+
+        def take(i: int = i) -> None:
+            with lock:
+                order.append(i)
+
+        t = threading.Thread(target=take)
         t.start()
         threads.append(t)
         # Each thread must be queued before the next starts: wait until it is.

@@ -83,8 +83,9 @@ def toxiproxy_url() -> Iterator[str]:
         env=env,
     )
     assert child.stdin is not None and child.stdout is not None
+    stdout = child.stdout
     line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(child.stdout.readline()), daemon=True)
+    reader = threading.Thread(target=lambda: line.append(stdout.readline()), daemon=True)
     reader.start()
     reader.join(30)
     try:
