@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import amqp
 import kombu
@@ -29,7 +30,7 @@ def connect() -> Iterator[Callable[..., drainer_amqp.Connection]]:
     """Open connections on demand; close every one at teardown."""
     opened: list[drainer_amqp.Connection] = []
 
-    def _connect(mode: str = "drainer", **kwargs: object) -> drainer_amqp.Connection:
+    def _connect(mode: str = "drainer", **kwargs: Any) -> drainer_amqp.Connection:
         kwargs.setdefault("host", BROKER_HOST)
         conn = drainer_amqp.Connection(dedicated_drainer=(mode == "drainer"), **kwargs)
         opened.append(conn)
@@ -255,7 +256,8 @@ def test_confirms_on_one_shared_channel_are_matched_by_delivery_tag(connect, que
             channel.basic_publish_confirm(amqp.Message(str(i)), routing_key=queue)
 
     assert run_threads([publisher] * 8, "shared") == [None] * 8
-    assert channel._unconfirmed == {}
+    assert len(channel.confirms) == 0
+    assert conn.drainer_stats()["waiting_threads"] == 0
     assert wait_until(lambda: count_messages(conn, queue) == 200, 10)
 
 

@@ -295,7 +295,7 @@ def test_close_while_an_autoretry_function_drains_does_not_reconnect(
         )
         raw = conn.connection
         receiver = Outcome(retrying, name="autoretry-receiver")
-        assert wait_until(lambda: blocked_in(receiver.thread, "_run_next_callback"), WAIT)
+        assert wait_until(lambda: blocked_in(receiver.thread, "wait_for"), WAIT)
 
         raw.close()
         receiver.join()
@@ -455,7 +455,7 @@ def test_consumer_mixin_ends_promptly_on_close_without_reconnecting(
         assert worker.wait_for(lambda: worker.bodies == ["one"])
         live = worker.live[0]
         raw = live.connection
-        assert wait_until(lambda: blocked_in(runner.thread, "_run_next_callback"), WAIT)
+        assert wait_until(lambda: blocked_in(runner.thread, "wait_for"), WAIT)
         caplog.clear()
         caplog.set_level(logging.INFO)
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from drainer_amqp.locks import FairRLock
+from drainer_amqp.sync import FairRLock
 
 
 def test_waiters_get_the_lock_in_arrival_order() -> None:

@@ -6,12 +6,19 @@ errors in :mod:`drainer_amqp.errors`. See the README for the threading contract.
 
 from .channel import Channel
 from .connection import Connection
-from .errors import ConnectionClosedIntentionally, ConnectionLost, HeartbeatTimeout, MalformedFrame
+from .errors import (
+    ConnectionBlocked,
+    ConnectionClosedIntentionally,
+    ConnectionLost,
+    HeartbeatTimeout,
+    MalformedFrame,
+)
 from .transport import SSLTransport, Transport
 
 __all__ = [
     "Channel",
     "Connection",
+    "ConnectionBlocked",
     "ConnectionClosedIntentionally",
     "ConnectionLost",
     "HeartbeatTimeout",

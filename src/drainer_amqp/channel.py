@@ -1,81 +1,56 @@
-"""``Channel``: kombu's py-amqp channel, with waits served by the drainer.
+"""``Channel``: kombu's py-amqp channel, with waits served by the connection's reader.
 
 Threading contract: a thread that needs a reply (a synchronous method, a publisher
-confirm) registers its wait *before* it writes the request, then sleeps until the
-drainer fills it, so a fast reply cannot slip past it (py-amqp issue 90). Confirms are
+confirm) registers its :class:`~drainer_amqp.sync.Waiter` *before* it writes the request
+(py-amqp issue 90), then waits through the connection's reader: the drainer fills it, or
+in legacy mode the thread reads the socket itself until some reader has. Confirms are
 matched by delivery tag, so several threads may wait for confirms on one channel; other
-synchronous methods on one channel must not be called by two threads at once. Listeners
-that would run user code (deliveries, returns, cancels, ack events) are queued for the
-threads that call ``drain_events()``.
+synchronous methods on one channel must not be called by two threads at once.
 
-Legacy mode uses the same registration, but the waiting thread reads the socket itself
-(under the transport lock) until some reader, perhaps another thread, has filled its
-wait; callbacks run in whichever thread read the frame, as in py-amqp. A channel closed
-by the broker is recorded and raised in the thread that uses that channel, in both modes.
+Methods whose listeners run user code (deliveries, returns, broker cancels, ack events)
+are queued in the connection's inbox for the threads in ``drain_events()``. A channel
+closed by the broker is recorded and raised in the thread that next uses the channel,
+which reopens it.
+
+The connection interface used here: ``waiters``, ``inbox``, ``reader``,
+``send_frames``, ``wait_unblocked``, ``raise_if_ended``, ``error_for_caller``, ``reason``.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from struct import unpack_from
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from amqp import spec
-from amqp.abstract_channel import AbstractChannel
 from amqp.exceptions import ChannelError, MessageNacked, RecoverableConnectionError, error_for_code
+from amqp.serialization import dumps
 from kombu.transport import pyamqp
+from vine import promise
+
+from .sync import Waiter
+from .waits import Confirms
 
 if TYPE_CHECKING:
     from .connection import Connection
 
 __all__ = ["Channel"]
 
+_ACK, _NACK = spec.Basic.Ack, spec.Basic.Nack
+#: Methods whose listeners are user code, run from the inbox; each is keyed by its
+#: consumer tag (the first short string of its payload) so that basic_cancel can run a
+#: cancelled consumer's queued deliveries. CancelOk is queued too, so that the removal
+#: of the consumer's callback stays behind its deliveries.
+_QUEUED_BY_CONSUMER = frozenset((spec.Basic.Deliver, spec.Basic.Cancel, spec.Basic.CancelOk))
+_QUEUED = _QUEUED_BY_CONSUMER | {spec.Basic.Return}
+_EVENTS = {_ACK: "basic_ack", _NACK: "basic_nack"}
 
-class _Reply:
-    """One thread's wait for a reply: filled by the drainer, waited on by its owner.
 
-    The signal is a bare lock, held until the reply (or the end) arrives: waking a
-    thread from ``Lock.acquire`` costs less than from ``Event.wait``, which matters
-    when one failure wakes dozens of waiters at once.
-    """
-
-    __slots__ = ("channel", "methods", "done", "value", "error", "_signal")
-
-    def __init__(self, channel: Channel, methods: list[tuple[int, int]]) -> None:
-        self.channel = channel
-        self.methods = methods
-        self.done = False
-        self.value: tuple[tuple[int, int], tuple[Any, ...]] | None = None
-        self.error: BaseException | None = None
-        self._signal = threading.Lock()
-        self._signal.acquire()
-
-    def __call__(self, method_sig: tuple[int, int], *args: Any) -> None:
-        """Called by py-amqp's ``dispatch_method`` (drainer thread) with the reply."""
-        self.value = (method_sig, args)
-        self._wake()
-
-    def fail(self, error: BaseException | None) -> None:
-        """Wake the owner without a reply: with ``error``, or with the connection's end."""
-        if self.value is None:
-            self.error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        if not self.done:
-            self.done = True
-            try:
-                self._signal.release()
-            except RuntimeError:  # a reply and a failure raced: already woken
-                pass
-
-    def wait(self, timeout: float | None) -> bool:
-        """Block until woken or ``timeout``; the owner's thread only, once."""
-        return self.done or self._signal.acquire(timeout=-1 if timeout is None else timeout)
-
-    def is_done(self) -> bool:
-        return self.done
+def _consumer_tag(payload: bytes) -> str:
+    """The first short string of a method's arguments (after its 4-byte class/method)."""
+    return payload[5 : 5 + payload[4]].decode() if len(payload) > 4 else ""
 
 
 class Channel(pyamqp.Channel):
@@ -84,84 +59,79 @@ class Channel(pyamqp.Channel):
     connection: Connection
     _confirm_selected: bool
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._unconfirmed: dict[int, _Reply] = {}
-        self._publish_seq = 0
+    def __init__(self, connection: Connection, *args: Any, **kwargs: Any) -> None:
+        self.confirms = Confirms(connection.waiters)
         self._confirm_mode = False
-        self._close_error: BaseException | None = None
-        self._prepared: dict[int, _Reply] = {}  # thread id -> wait registered before writing
+        self._close_error: BaseException | None = None  # the broker closed this channel
+        self._prepared: dict[int, Waiter] = {}  # thread id -> wait registered before writing
         self._ended_connection: Connection | None = None
-        super().__init__(*args, **kwargs)
+        super().__init__(connection, *args, **kwargs)
 
     def _live_conn(self) -> Connection | None:
         """The connection, or None once this channel was closed.
 
-        On a channel whose connection was closed or failed, raises that reason: a
-        publish after ``close()`` must say ``ConnectionClosedIntentionally`` (so kombu
-        does not reconnect), not py-amqp's generic "connection closed"."""
+        On a channel whose connection ended, raises that reason: a publish after
+        ``close()`` must say ``ConnectionClosedIntentionally`` (so kombu does not
+        reconnect), not py-amqp's generic "connection closed"."""
         conn = self.connection
         if conn is None:
             ended = self._ended_connection
-            if ended is not None and ended._reason is not None:
-                raise ended._error_for_caller()
+            if ended is not None and ended.reason is not None:
+                raise ended.error_for_caller()
         return conn
-
-    def _drainer_conn(self) -> Connection | None:
-        """The connection if it runs in drainer mode, else None (legacy or closed)."""
-        conn = self._live_conn()
-        return conn if conn is not None and conn._drainer is not None else None
 
     def collect(self) -> None:
         self._ended_connection = self.connection or self._ended_connection
         super().collect()
 
+    def close(self, *args: Any, **kwargs: Any) -> Any:
+        """As py-amqp's; on a channel whose connection has ended, a quiet no-op."""
+        conn = self.connection
+        if conn is not None and conn.reason is not None:
+            self.is_open = False
+            self.collect()
+            return None
+        return super().close(*args, **kwargs)
+
     # -- waiting for replies ---------------------------------------------------------
-    def _expect(self, conn: Connection, methods: Any) -> _Reply:
+    def _expect(self, conn: Connection, methods: Any) -> Waiter:
         """Register a wait *before* the request is written (py-amqp issue 90)."""
-        methods = methods if isinstance(methods, list) else [methods]
-        reply = _Reply(self, methods)
+        methods = tuple(methods) if isinstance(methods, list) else (methods,)
+        waiter = Waiter(methods)
         for method in methods:
-            self._pending[method] = reply
-        conn._waiters.add(reply)
-        if conn._reason is not None or self._close_error is not None:
-            reply.fail(self._close_error)
-        return reply
+            self._pending[method] = waiter
+        conn.waiters.add(waiter)
+        if self._close_error is not None:
+            waiter.fail(self._close_error)
+        return waiter
 
-    def _forget(self, conn: Connection, reply: _Reply) -> None:
-        for method in reply.methods:
-            if self._pending.get(method) is reply:
+    def _forget(self, conn: Connection, waiter: Waiter) -> None:
+        for method in waiter.methods:
+            if self._pending.get(method) is waiter:
                 del self._pending[method]
-        conn._waiters.discard(reply)
+        conn.waiters.discard(waiter)
 
-    def _await(self, reply: _Reply, conn: Connection, timeout: float | None) -> tuple[Any, ...]:
-        """Sleep until the drainer fills ``reply`` (drainer mode), or read the socket
-        until some reader has (legacy mode)."""
-        if conn._drainer is not None:
-            if not reply.wait(timeout):
-                raise TimeoutError()
-        else:
-            deadline = None if timeout is None else monotonic() + timeout
-            while not reply.done:
-                remaining = None if deadline is None else deadline - monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError()
-                conn._read_events(remaining, until=reply.is_done)
-        if reply.value is not None:
-            return reply.value
-        error = reply.error or self._close_error
+    def _await(self, waiter: Waiter, conn: Connection, timeout: float | None) -> Any:
+        """Wait until ``waiter`` is filled; return its (method, args), or raise why not."""
+        conn.reader.wait(waiter, None if timeout is None else monotonic() + timeout)
+        if waiter.value is not None:
+            return waiter.value
+        error = waiter.error or self._close_error
         if error is not None:
             self._raise_channel_error(conn, error)
-        raise conn._error_for_caller()
+        raise conn.error_for_caller()
 
     def _raise_channel_error(self, conn: Connection, error: BaseException) -> None:
         """Reopen the channel the broker closed (once, in this thread) and raise why."""
-        with conn._state_lock:
+        with self._close_lock:
             mine = self._close_error is error
             if mine:
                 self._close_error = None
-        if mine and conn._reason is None:
+        if mine and conn.reason is None:
             self._do_revive()
         raise copy.copy(error)
+
+    _close_lock = threading.Lock()  # guards _close_error hand-over (rare: one for all)
 
     def send_method(  # type: ignore[override]
         self,
@@ -178,18 +148,14 @@ class Channel(pyamqp.Channel):
             return super().send_method(sig, format, args, content, wait, callback, returns_tuple)
         if self._close_error is not None and sig not in (spec.Channel.CloseOk, spec.Channel.Close):
             self._raise_channel_error(conn, self._close_error)
-        if sig == spec.Basic.Publish and self._confirm_mode:
-            with conn._transport_lock:  # the delivery tag is the write order on this channel
-                self._publish_seq += 1
-                return super().send_method(sig, format, args, content, None, callback)
         if not wait:
             return super().send_method(sig, format, args, content, None, callback)
-        reply = self._expect(conn, wait)
+        waiter = self._expect(conn, wait)
         try:
             super().send_method(sig, format, args, content, None, callback)
-            return self._finish_wait(reply, conn, None, None, returns_tuple)
+            return self._finish_wait(waiter, conn, None, None, returns_tuple)
         finally:
-            self._forget(conn, reply)
+            self._forget(conn, waiter)
 
     def wait(  # type: ignore[override]
         self,
@@ -201,54 +167,108 @@ class Channel(pyamqp.Channel):
         conn = self._live_conn()
         if conn is None:
             return super().wait(method, callback, timeout, returns_tuple)
-        reply = self._prepared.pop(threading.get_ident(), None) or self._expect(conn, method)
+        waiter = self._prepared.pop(threading.get_ident(), None) or self._expect(conn, method)
         try:
-            return self._finish_wait(reply, conn, callback, timeout, returns_tuple)
+            return self._finish_wait(waiter, conn, callback, timeout, returns_tuple)
         finally:
-            self._forget(conn, reply)
+            self._forget(conn, waiter)
 
     def _finish_wait(
-        self,
-        reply: _Reply,
-        conn: Connection,
-        callback: Any,
-        timeout: float | None,
-        returns_tuple: bool,
+        self, waiter: Waiter, conn: Connection, callback: Any, timeout: float | None, returns: bool
     ) -> Any:
-        method_sig, args = self._await(reply, conn, timeout)
+        method_sig, args = self._await(waiter, conn, timeout)
         if callback is not None:
             callback(method_sig, *args)  # the caller's own thread, as py-amqp does
-        return args if returns_tuple else (args and args[0])
+        return args if returns else (args and args[0])
 
     def queue_declare(self, *args: Any, **kwargs: Any) -> Any:
         # py-amqp writes Queue.Declare and only then waits for DeclareOk: register first.
         conn = self._live_conn()
         if conn is None or kwargs.get("nowait") or (len(args) > 5 and args[5]):
             return super().queue_declare(*args, **kwargs)
-        reply = self._expect(conn, spec.Queue.DeclareOk)
-        self._prepared[threading.get_ident()] = reply  # claimed by wait() below
+        waiter = self._expect(conn, spec.Queue.DeclareOk)
+        self._prepared[threading.get_ident()] = waiter  # claimed by wait() below
         try:
             return super().queue_declare(*args, **kwargs)
         finally:
             self._prepared.pop(threading.get_ident(), None)
-            self._forget(conn, reply)
+            self._forget(conn, waiter)
+
+    def basic_cancel(self, consumer_tag: str, nowait: bool = False, argsig: str = "sb") -> Any:
+        """As py-amqp's; then runs, in this thread, the consumer's deliveries that arrived
+        before ``CancelOk`` and are still queued (py-amqp runs them while it waits)."""
+        result = super().basic_cancel(consumer_tag, nowait, argsig)
+        conn = self.connection
+        if not nowait and conn is not None:
+            conn.inbox.run_matching((self.channel_id, consumer_tag))
+        return result
+
+    # -- dispatch: called by the connection's reader, under the transport lock -----------
+    def dispatch_method(self, method_sig: tuple[int, int], payload: bytes, content: Any) -> None:
+        if method_sig in _EVENTS:
+            delivery_tag, multiple = unpack_from(">QB", payload, 4)
+            self.confirms.settle(method_sig, delivery_tag, bool(multiple))
+            if not self.events.get(_EVENTS[method_sig]):
+                return
+        elif method_sig not in _QUEUED:
+            return super().dispatch_method(method_sig, payload, content)
+        waiter = self._pending.pop(method_sig, None)  # CancelOk: basic_cancel waits for it
+        key = (
+            self.channel_id,
+            _consumer_tag(payload) if method_sig in _QUEUED_BY_CONSUMER else None,
+        )
+        self.connection.inbox.post(key, super().dispatch_method, method_sig, payload, content)
+        if waiter is not None:
+            waiter(method_sig, _consumer_tag(payload))
+
+    def _on_close(self, reply_code: int, reply_text: str, class_id: int, method_id: int) -> None:
+        conn = self.connection
+        # The broker closed this channel. Reopening it needs a wait, which the drainer must
+        # never do, and which in legacy mode belongs to the thread that used the channel:
+        # record the error, wake this channel's waiters, and let the next thread that uses
+        # the channel reopen it and raise the error.
+        super().send_method(spec.Channel.CloseOk)
+        self.is_open = False
+        if self.is_closing or conn.is_closing:
+            return
+        error = error_for_code(reply_code, reply_text, (class_id, method_id), ChannelError)
+        self._close_error = error
+        for waiter in {w for w in self._pending.values() if isinstance(w, Waiter)}:
+            waiter.fail(error)
+        self.confirms.fail_all(error)
+
+    def _do_revive(self) -> None:
+        self._confirm_mode = False
+        self.confirms.reset()
+        super()._do_revive()
 
     # -- publishing --------------------------------------------------------------------
     def confirm_select(self, nowait: bool = False) -> Any:
         conn = self._live_conn()
         if conn is None:
             return super().confirm_select(nowait)
-        reply = None if nowait else self._expect(conn, spec.Confirm.SelectOk)
+        waiter = None if nowait else self._expect(conn, spec.Confirm.SelectOk)
         try:
-            with conn._transport_lock:  # publishes are numbered from here on
-                self._publish_seq = 0
-                self._confirm_mode = True
-                AbstractChannel.send_method(self, spec.Confirm.Select, "b", (nowait,))
-            if reply is not None:
-                self._await(reply, conn, None)
+            conn.send_frames(
+                self.channel_id,
+                spec.Confirm.Select,
+                dumps("b", (nowait,)),
+                None,
+                number=self._start_numbering,  # publishes are numbered from here on
+            )
+            if waiter is not None:
+                self._await(waiter, conn, None)
         finally:
-            if reply is not None:
-                self._forget(conn, reply)
+            if waiter is not None:
+                self._forget(conn, waiter)
+
+    def _start_numbering(self) -> None:
+        # A second Confirm.Select on a channel in confirm mode changes nothing on the
+        # broker: its delivery tags keep counting.
+        if not self._confirm_mode:
+            self.confirms.reset()
+            self._confirm_mode = True
+        self._confirm_selected = True
 
     def _basic_publish(
         self,
@@ -261,11 +281,10 @@ class Channel(pyamqp.Channel):
         confirm_timeout: float | None = None,
         argsig: str = "Bssbb",
     ) -> Any:
-        if self._drainer_conn() is None:
-            return super()._basic_publish(
-                msg, exchange, routing_key, mandatory, immediate, timeout, confirm_timeout, argsig
-            )
-        self._publish(msg, exchange, routing_key, mandatory, immediate, timeout, argsig, False)
+        """Write one Basic.Publish. Unlike py-amqp's, it never reads the socket: a blocked
+        connection is known from the broker's ``Connection.Blocked``, and a publish on
+        it waits at most ``min(timeout, blocked_timeout)``."""
+        self._publish(msg, exchange, routing_key, mandatory, immediate, timeout, argsig, None)
 
     basic_publish = _basic_publish
 
@@ -278,146 +297,63 @@ class Channel(pyamqp.Channel):
         immediate: bool,
         timeout: float | None,
         argsig: str,
-        want_confirm: bool,
-    ) -> tuple[int, _Reply] | None:
-        """Write one Basic.Publish. Unlike py-amqp's, it does not read the socket
-        (``drain_events(timeout=0)``) to see blocked notices: the drainer, or the
-        confirm wait that follows in legacy mode, reads them."""
+        waiter: Waiter | None,
+    ) -> int:
         conn = self._live_conn()
         if conn is None:
             raise RecoverableConnectionError("basic_publish: connection closed")
         if self._close_error is not None:
             self._raise_channel_error(conn, self._close_error)
-        ticket = None
-        with conn._transport_lock:  # the delivery tag is the write order on this channel
+        conn.wait_unblocked(timeout)
+        tag = 0
+
+        def number() -> None:  # under the writer's lock: the delivery tag is the write order
+            nonlocal tag
             if self._confirm_mode:
-                self._publish_seq += 1
-                if want_confirm:
-                    reply = _Reply(self, [])
-                    self._unconfirmed[self._publish_seq] = reply
-                    conn._waiters.add(reply)
-                    ticket = (self._publish_seq, reply)
-            try:
-                transport = conn._transport
-                if transport is None:
-                    raise conn._error_for_caller()
-                with transport.having_timeout(timeout):
-                    AbstractChannel.send_method(
-                        self,
-                        spec.Basic.Publish,
-                        argsig,
-                        (0, exchange, routing_key, mandatory, immediate),
-                        msg,
-                    )
-            except TimeoutError as exc:
-                if ticket is not None:
-                    self._drop_confirm(conn, ticket)
-                raise RecoverableConnectionError("basic_publish: timed out") from exc
-            except BaseException:
-                if ticket is not None:
-                    self._drop_confirm(conn, ticket)
-                raise
-        return ticket
+                tag = self.confirms.number(waiter)
 
-    def _drop_confirm(self, conn: Connection, ticket: tuple[int, _Reply]) -> None:
-        self._unconfirmed.pop(ticket[0], None)
-        conn._waiters.discard(ticket[1])
+        args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
+        try:
+            conn.send_frames(
+                self.channel_id, spec.Basic.Publish, args, msg, number=number, timeout=timeout
+            )
+        except TimeoutError as exc:
+            self.confirms.drop(tag)
+            raise RecoverableConnectionError("basic_publish: timed out") from exc
+        except BaseException:
+            self.confirms.drop(tag)
+            raise
+        return tag
 
-    def basic_publish_confirm(self, *args: Any, **kwargs: Any) -> Any:
+    def basic_publish_confirm(
+        self,
+        msg: Any,
+        exchange: str = "",
+        routing_key: str = "",
+        mandatory: bool = False,
+        immediate: bool = False,
+        timeout: float | None = None,
+        confirm_timeout: float | None = None,
+        argsig: str = "Bssbb",
+    ) -> Any:
+        """As py-amqp's: publish, then wait for the broker's ack (``MessageNacked`` on a
+        nack) for at most ``confirm_timeout or timeout`` seconds."""
         conn = self._live_conn()
         if conn is None:
-            return super().basic_publish_confirm(*args, **kwargs)
-        confirm_timeout = kwargs.pop("confirm_timeout", None)
-        timeout = confirm_timeout or kwargs.get("timeout")
+            raise RecoverableConnectionError("basic_publish: connection closed")
         if not self._confirm_selected:
             self._confirm_selected = True
             self.confirm_select()
-        names = ("msg", "exchange", "routing_key", "mandatory", "immediate", "timeout")
-        params = dict(zip(names, args, strict=False))
-        params.update(kwargs)
-        ticket = self._publish(
-            params["msg"],
-            params.get("exchange", ""),
-            params.get("routing_key", ""),
-            params.get("mandatory", False),
-            params.get("immediate", False),
-            params.get("timeout"),
-            params.get("argsig", "Bssbb"),
-            True,
-        )
-        assert ticket is not None
+        waiter = conn.waiters.add(Waiter())
+        tag = 0
         try:
-            method_sig, _ = self._await(ticket[1], conn, timeout)
+            tag = self._publish(
+                msg, exchange, routing_key, mandatory, immediate, timeout, argsig, waiter
+            )
+            method_sig, _ = self._await(waiter, conn, confirm_timeout or timeout)
         finally:
-            self._drop_confirm(conn, ticket)
-        if method_sig == spec.Basic.Nack:
+            self.confirms.drop(tag)
+            conn.waiters.discard(waiter)
+        if method_sig == _NACK:
             raise MessageNacked()
-
-    def _settle(self, method_sig: tuple[int, int], delivery_tag: int, multiple: bool) -> None:
-        if multiple:
-            tags = [t for t in self._unconfirmed if delivery_tag == 0 or t <= delivery_tag]
-        else:
-            tags = [delivery_tag]
-        for tag in tags:
-            reply = self._unconfirmed.pop(tag, None)
-            if reply is not None:
-                reply(method_sig)
-
-    # -- listeners: called by dispatch (the drainer thread in drainer mode) ----------------
-    def _on_basic_ack(self, delivery_tag: int, multiple: bool) -> None:
-        self._settle(spec.Basic.Ack, delivery_tag, multiple)
-        conn = self._drainer_conn()
-        if conn is None:
-            return super()._on_basic_ack(delivery_tag, multiple)
-        if self.events.get("basic_ack"):
-            conn._post(super()._on_basic_ack, delivery_tag, multiple)
-
-    def _on_basic_nack(self, delivery_tag: int, multiple: bool) -> None:
-        self._settle(spec.Basic.Nack, delivery_tag, multiple)
-        conn = self._drainer_conn()
-        if conn is None:
-            return super()._on_basic_nack(delivery_tag, multiple)
-        if self.events.get("basic_nack"):
-            conn._post(super()._on_basic_nack, delivery_tag, multiple)
-
-    def _on_basic_deliver(self, *args: Any) -> None:
-        conn = self._drainer_conn()
-        if conn is None:
-            return super()._on_basic_deliver(*args)
-        conn._post(super()._on_basic_deliver, *args)
-
-    def _on_basic_return(self, *args: Any) -> None:
-        conn = self._drainer_conn()
-        if conn is None:
-            return super()._on_basic_return(*args)
-        conn._post(super()._on_basic_return, *args)
-
-    def _on_basic_cancel(self, consumer_tag: str) -> None:
-        conn = self._drainer_conn()
-        if conn is None:
-            return super()._on_basic_cancel(consumer_tag)
-        conn._post(super()._on_basic_cancel, consumer_tag)
-
-    def _on_close(self, reply_code: int, reply_text: str, class_id: int, method_id: int) -> None:
-        conn = self.connection
-        # The broker closed this channel. Reopening it needs a wait, which the drainer
-        # must never do, and which in legacy mode belongs to the thread that used the
-        # channel, not to whichever thread read the frame: record the error, wake this
-        # channel's waiters, and let the first thread that uses the channel reopen it
-        # and raise the error.
-        AbstractChannel.send_method(self, spec.Channel.CloseOk)
-        self.is_open = False
-        if self.is_closing or conn.is_closing:
-            return
-        error = error_for_code(reply_code, reply_text, (class_id, method_id), ChannelError)
-        self._close_error = error
-        waiting = {r for r in self._pending.values() if isinstance(r, _Reply)}
-        waiting.update(self._unconfirmed.values())
-        self._unconfirmed.clear()
-        for reply in waiting:
-            reply.fail(error)
-
-    def _do_revive(self) -> None:
-        self._confirm_mode = False
-        self._publish_seq = 0
-        super()._do_revive()
+        return promise()

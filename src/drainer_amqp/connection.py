@@ -1,19 +1,22 @@
 """``Connection``: py-amqp's, made safe to share between threads.
 
-Two modes, chosen per connection with ``dedicated_drainer``:
+Two modes, chosen per connection with ``dedicated_drainer``; they differ only in who
+reads the socket (:mod:`.reading`):
 
 Legacy (``False``, the default)
-    py-amqp's behaviour made thread-safe. One transport lock serialises the socket: a
-    thread in ``drain_events()`` holds it for its whole blocking read, so other
-    threads' publishes wait behind it. Heartbeats are the caller's job
-    (``heartbeat_tick``), as with stock py-amqp.
+    py-amqp's behaviour made thread-safe: a thread that waits reads the socket itself
+    while it holds the transport lock, so other threads' writes wait behind a blocking
+    read. Heartbeats are the caller's job (``heartbeat_tick``), as with stock py-amqp.
 
 Drainer (``True``)
-    After the handshake, a :class:`~drainer_amqp.drainer.Drainer` thread owns the
-    socket's reading side. It dispatches complete frames under the transport lock:
-    replies and confirms wake the thread waiting for them; deliveries, returns,
-    broker-side cancels, blocked/unblocked notices and ``basic_ack`` events are
-    queued for the threads that call ``drain_events()``, which run those callbacks.
+    After the handshake a :class:`~drainer_amqp.drainer.Drainer` thread owns the
+    socket's reading side and sends heartbeats; callers only sleep until it fills their
+    wait.
+
+Shared by both modes: replies and confirms are registered before the request is
+written (:mod:`.waits`), writes go through one group-committing :class:`~.writer.Writer`,
+user callbacks are queued in an :class:`~.waits.Inbox` that ``drain_events()`` runs, and
+one :meth:`Connection.end` records why the connection ended and wakes every waiter.
 
 Threading contract (both modes)
     * Publishing and synchronous methods may be called from any thread, each thread
@@ -21,13 +24,17 @@ Threading contract (both modes)
       threads may wait for confirms on one shared channel; other synchronous methods
       on one channel must not be called by two threads at once (AMQP replies carry
       no correlation id).
-    * User callbacks run in the thread that called ``drain_events()``, never in the
-      drainer; with several draining threads they run one at a time, in arrival order.
-    * ``close()`` and ``collect()`` are idempotent and safe from any thread. They wake
-      every waiting thread with :class:`ConnectionClosedIntentionally`.
-    * A failed link (reset, EOF, heartbeat timeout, malformed frame, broker close)
-      wakes every waiting thread at once with the same error, and every later call
-      raises it immediately.
+    * User callbacks (deliveries, returns, broker cancels, ack events, blocked and
+      unblocked notices) run in a thread that called ``drain_events()``, one at a time,
+      in arrival order; never in the drainer. ``basic_cancel`` runs the cancelled
+      consumer's already-queued deliveries in the cancelling thread before it returns.
+    * ``close()`` is idempotent, safe from any thread, bounded by one deadline
+      (``CLOSE_TIMEOUT``), and wakes every waiter with
+      :class:`ConnectionClosedIntentionally`. ``collect()`` tears down without the
+      handshake; on a connection that already failed, it keeps the failure.
+    * A failed link (reset, EOF, heartbeat timeout, malformed frame, broker close,
+      fork) wakes every waiting thread at once with the same error, and every later
+      call raises it immediately.
 """
 
 from __future__ import annotations
@@ -38,7 +45,6 @@ import os
 import socket
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable
 from time import monotonic, perf_counter
 from typing import Any
@@ -47,177 +53,152 @@ import amqp
 from amqp import spec
 from amqp.abstract_channel import AbstractChannel
 from amqp.exceptions import AMQPError, RecoverableConnectionError
-from amqp.method_framing import frame_writer as amqp_frame_writer
 
-from .channel import Channel, _Reply
+from .channel import Channel
 from .drainer import Drainer
-from .errors import ConnectionClosedIntentionally, ConnectionLost
+from .errors import ConnectionBlocked, ConnectionClosedIntentionally, ConnectionLost
 from .framing import Frame
-from .locks import FairRLock
+from .reading import LockReader, Reader
+from .sync import FairRLock, Waiter
+from .waits import Inbox, Waiters
+from .writer import Writer
 
-__all__ = ["Connection"]
+__all__ = ["CLOSE_TIMEOUT", "Connection"]
 
 logger = logging.getLogger(__name__)
 
-#: Upper bound on how long ``close()`` waits for the broker's ``Connection.CloseOk``
-#: and for the transport lock, and on joining the drainer thread.
+#: One deadline for all of ``close()``: CloseOk, the drainer's join and the lock.
 CLOSE_TIMEOUT = 5.0
+#: How long a publish waits while the broker has blocked the connection.
+BLOCKED_TIMEOUT = 10.0
+#: How many callbacks may wait for ``drain_events()`` before the drainer stops reading.
+INBOX_LIMIT = 10_000
 
 #: Methods still handled after we sent ``Connection.Close``: everything else is
 #: discarded, as AMQP 0-9-1 requires.
 _HANDLED_WHILE_CLOSING = frozenset((spec.Connection.Close, spec.Connection.CloseOk))
 
 
-class _Signal:
-    """A self-pipe: readable after :meth:`set`, until :meth:`clear`. Thread-safe."""
+class _FrameCollector:
+    """A stand-in transport for py-amqp's frame writer: keeps what it writes."""
+
+    __slots__ = ("chunks",)
 
     def __init__(self) -> None:
-        self._r, self._w = socket.socketpair()
-        self._r.setblocking(False)
-        self._w.setblocking(False)
-        self._is_set = False
+        self.chunks: list[bytes | memoryview] = []
 
-    def fileno(self) -> int:
-        return self._r.fileno()
-
-    def set(self) -> None:
-        if not self._is_set:
-            self._is_set = True
-            try:
-                self._w.send(b"\0")
-            except OSError:
-                pass
-
-    def clear(self) -> None:
-        # Empty the pipe first, then reset the flag: the other way round, a set()
-        # landing in between would have its byte read away while the flag stayed
-        # set, and no later set() would ever write again.
-        try:
-            while self._r.recv(4096):
-                pass
-        except OSError:
-            pass
-        self._is_set = False
-
-    def close(self) -> None:
-        self._r.close()
-        self._w.close()
-
-
-def _locked_frame_writer(connection: Connection, transport: Any) -> Callable[..., None]:
-    """py-amqp's frame writer behind the connection's transport lock.
-
-    The lock keeps the frames of one message contiguous. A write to a connection that
-    has ended raises its reason instead of touching the socket.
-    """
-    write_frame = amqp_frame_writer(connection, transport)
-
-    def write_frame_locked(
-        type_: int, channel: int, method_sig: Any, args: Any, content: Any
-    ) -> None:
-        with connection._transport_lock:
-            if connection._reason is not None:
-                raise connection._error_for_caller()
-            try:
-                write_frame(type_, channel, method_sig, args, content)
-            except OSError as exc:
-                raise connection._write_failed(exc) from exc
-
-    return write_frame_locked
+    def write(self, data: bytes | memoryview) -> None:
+        self.chunks.append(bytes(data))  # py-amqp reuses its buffer: copy
 
 
 class Connection(amqp.Connection):
     """A py-amqp ``Connection`` that threads can share; see the module docstring.
 
-    ``dedicated_drainer=True`` starts the drainer thread once the handshake is done.
+    Extra keyword arguments (also kombu transport options): ``dedicated_drainer``,
+    ``blocked_timeout`` (seconds a publish waits on a blocked connection, default 10)
+    and ``inbox_limit`` (callbacks queued before the drainer stops reading, 10000).
     """
 
     Channel = Channel
     channels: dict[int, Any] | None  # type: ignore[assignment]
     _transport: Any
 
-    def __init__(self, *args: Any, dedicated_drainer: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        dedicated_drainer: bool = False,
+        blocked_timeout: float = BLOCKED_TIMEOUT,
+        inbox_limit: int = INBOX_LIMIT,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(dedicated_drainer, bool):
             raise TypeError(f"dedicated_drainer must be True or False, not {dedicated_drainer!r}")
+        if not isinstance(blocked_timeout, (int, float)) or blocked_timeout < 0:
+            raise ValueError(f"blocked_timeout must be seconds >= 0, not {blocked_timeout!r}")
+        if not isinstance(inbox_limit, int) or inbox_limit < 0:
+            raise ValueError(f"inbox_limit must be an int >= 0, not {inbox_limit!r}")
         self.dedicated_drainer = dedicated_drainer
+        self.blocked_timeout = float(blocked_timeout)
+        self.reason: BaseException | None = None  # why it ended; written once by end()
+        self.waiters = Waiters()
+        self.inbox = Inbox(inbox_limit if dedicated_drainer else 0, self._on_inbox_room)
+        self.reader: Reader = LockReader(self)
+        self.writer: Writer | None = None
         self._drainer: Drainer | None = None
-        self._reason: BaseException | None = None
-        self._waiters: set[_Reply] = set()
-        self._inbox: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
-        self._inbox_signal: _Signal | None = None
-        self._dispatched = 0
-        self._lock_held = 0.0
+        self._lock_held = 0.0  # seconds the drainer held the transport lock (stats)
         self._init_locks()
         super().__init__(*args, **kwargs)
-        self.frame_writer_cls = _locked_frame_writer
+        # A caller's own frame_writer is kept: it encodes, the Writer sends.
+        self._frame_writer_cls: Callable[..., Any] = self.frame_writer_cls  # type: ignore[has-type]
+        self.frame_writer_cls = self._writer_for
+        _connections.add(self)
 
     def _init_locks(self) -> None:
-        # Legacy readers hold this lock across blocking reads, so waiters must get it
-        # in turn; the drainer holds it only for dispatches and writes.
-        self._transport_lock: threading.RLock | FairRLock = (
+        # Guards py-amqp's reading state (frame assembly, dispatch): the drainer holds it
+        # per batch of frames; a legacy reader across its blocking read, so legacy
+        # waiters must get it in turn.
+        self.transport_lock: threading.RLock | FairRLock = (
             threading.RLock() if self.dedicated_drainer else FairRLock()
         )
-        self._state_lock = threading.Lock()
-        self._close_lock = threading.Lock()
-        self._channel_id_lock = threading.Lock()
-        self._callback_lock = threading.RLock()
-        self._inbox_ready = threading.Condition(threading.Lock())
-        self._close_ok = threading.Event()
+        self._state_lock = threading.Lock()  # guards reason (end), _closed
+        self._channel_id_lock = threading.Lock()  # guards py-amqp's _used_channel_ids
+        self._encode_lock = threading.Lock()  # guards the frame encoder and its collector
+        self._close_lock = threading.Lock()  # one close() at a time
+        self._unblocked = threading.Event()  # clear while the broker blocks publishes
+        self._unblocked.set()
+        self._blocked_reason = ""
 
-    # -- DrainerSink ---------------------------------------------------------------------
-    @property
-    def transport_lock(self) -> threading.RLock | FairRLock:
-        return self._transport_lock
+    # -- connecting ------------------------------------------------------------------------
+    def _writer_for(self, connection: Connection, transport: Any) -> Callable[..., None]:
+        """py-amqp's frame-writer hook, called at connect: frames are encoded by py-amqp's
+        writer (or the caller's own ``frame_writer``) and sent whole by the Writer."""
+        self._collector = _FrameCollector()
+        self._encode = self._frame_writer_cls(connection, self._collector)
+        io_lock = threading.Lock() if self.dedicated_drainer else self.transport_lock
+        self.writer = Writer(transport.sock, io_lock, self._write_failed)
+        return self._write_frame
 
-    def dispatch_frames(self, frames: list[Frame]) -> None:
-        on_frame = self._on_inbound_frame
-        with self._transport_lock:
-            start = perf_counter()
-            try:
-                for frame in frames:
-                    on_frame(frame)
-            finally:
-                self._lock_held += perf_counter() - start
+    def _write_frame(
+        self, type_: int, channel: int, method_sig: Any, args: Any, content: Any
+    ) -> None:
+        self.send_frames(channel, method_sig, args, content, type_=type_)
 
-    def try_send_heartbeat(self) -> bool:
-        if not self._transport_lock.acquire(blocking=False):
-            return False
-        try:
-            self.frame_writer(8, 0, None, None, None)
-        finally:
-            self._transport_lock.release()
-        return True
+    def send_frames(
+        self,
+        channel: int,
+        method_sig: Any,
+        args: Any,
+        content: Any,
+        *,
+        number: Callable[[], Any] | None = None,
+        timeout: float | None = None,
+        type_: int = 1,
+    ) -> None:
+        """Encode one method (with its content, if any) and send its frames whole, after
+        everything sent before; ``number`` runs in write order (delivery tags)."""
+        writer = self.writer
+        if writer is None:
+            raise self.error_for_caller()
+        collector = self._collector
+        with self._encode_lock:
+            self._encode(type_, channel, method_sig, args, content)
+            chunks, collector.chunks = collector.chunks, []
+        writer.send(chunks, number=number, timeout=timeout, block=type_ != 8)
 
-    def drainer_exited(self, error: BaseException | None) -> None:
-        if error is not None:
-            self._end(self._as_connection_error(error))
-        if not isinstance(self._reason, ConnectionClosedIntentionally):
-            # Failed: release the socket and the wake-up pair now, not when kombu gets
-            # round to collect() (it may just drop the connection).
-            self._close_socket()
-            if self._drainer is not None:
-                self._drainer.close()
-        self._close_ok.set()  # a close() in progress need not wait any longer
-
-    # -- connecting ----------------------------------------------------------------------
     def connect(self, callback: Callable[[], Any] | None = None) -> Any:
         result = super().connect(callback)
         if self.dedicated_drainer and self._drainer is None and self.connected:
-            self._start_drainer()
+            drainer = Drainer(
+                self,
+                self._transport.sock,
+                name=f"drainer-amqp-{self.host}",
+                frame_max=self.frame_max,
+                heartbeat=self.heartbeat or 0,
+            )
+            self._drainer = drainer
+            self.reader = drainer
+            drainer.start()
         return result
-
-    def _start_drainer(self) -> None:
-        transport = self._transport
-        drainer = Drainer(
-            self,
-            transport.sock,
-            name=f"drainer-amqp-{self.host}",
-            frame_max=self.frame_max,
-            heartbeat=self.heartbeat or 0,
-        )
-        self._drainer = drainer
-        _drainer_connections.add(self)
-        drainer.start()
 
     def _get_free_channel_id(self) -> int:
         with self._channel_id_lock:
@@ -228,49 +209,72 @@ class Connection(amqp.Connection):
             return super()._claim_channel_id(channel_id)
 
     def channel(self, channel_id: int | None = None, callback: Any = None) -> Any:
-        if self._reason is not None:
-            raise self._error_for_caller()
+        self.raise_if_ended()
         return super().channel(channel_id, callback)
 
-    # -- ending: one path for every reason ----------------------------------------------
-    def _end(self, reason: BaseException) -> bool:
-        """Record why the connection ended and wake every waiting thread.
+    @property
+    def connected(self) -> bool:  # type: ignore[override]
+        transport = self._transport
+        return bool(transport and transport.connected and self.reason is None)
 
-        The first failure wins; an intentional close replaces a failure for later calls
-        (threads already woken keep the error they saw). Returns whether it recorded.
-        """
-        with self._state_lock:
-            current = self._reason
-            if current is not None and (
-                isinstance(current, ConnectionClosedIntentionally)
-                or not isinstance(reason, ConnectionClosedIntentionally)
-            ):
-                return False
-            self._reason = reason
-        if self._drainer is not None and not isinstance(reason, ConnectionClosedIntentionally):
-            self._drainer.request_stop()  # on its way out it closes the socket
-        for reply in list(self._waiters):
-            reply.fail(None)
-        with self._inbox_ready:
-            self._inbox.clear()
-            self._inbox_ready.notify_all()
-        self._notify_inbox_listeners()
-        return True
+    # -- the interface channels use ------------------------------------------------------
+    def raise_if_ended(self) -> None:
+        if self.reason is not None:
+            raise self.error_for_caller()
 
-    def _error_for_caller(self) -> BaseException:
-        """A fresh copy of the reason, so each thread gets its own traceback."""
-        reason = self._reason
+    def error_for_caller(self) -> BaseException:
+        """A fresh copy of the reason, so each thread gets its own traceback. It names
+        this connection (``drainer_connection``), so the kombu transport can tell
+        which connection an error came from."""
+        reason = self.reason
         if reason is None:
             return RecoverableConnectionError("connection already closed")
         error = copy.copy(reason)
         error.__cause__ = reason.__cause__
+        error.drainer_connection = weakref.ref(self)  # type: ignore[attr-defined]
         return error
 
-    def _raise_if_ended(self) -> None:
-        if self._reason is not None:
-            raise self._error_for_caller()
+    def wait_unblocked(self, timeout: float | None) -> None:
+        """Before a publish: wait while the broker blocks this connection, at most
+        ``min(timeout, blocked_timeout)``, then raise :class:`ConnectionBlocked`."""
+        if self._unblocked.is_set():
+            return
+        limit = self.blocked_timeout if timeout is None else min(timeout, self.blocked_timeout)
+        if not self._unblocked.wait(limit):
+            raise ConnectionBlocked(
+                f"the broker has blocked publishing on this connection "
+                f"({self._blocked_reason or 'no reason given'}); waited {limit:g}s"
+            )
+        self.raise_if_ended()
 
-    def _as_connection_error(self, error: BaseException) -> BaseException:
+    # -- ending: one path for every reason -------------------------------------------------
+    def end(self, reason: BaseException) -> bool:
+        """Record why the connection ended and wake every waiting thread.
+
+        The first reason wins, except that an intentional ``close()`` replaces a
+        failure for later calls (threads already woken keep the error they saw). Returns
+        whether it recorded ``reason``.
+        """
+        with self._state_lock:
+            current = self.reason
+            if current is not None and not (
+                isinstance(reason, ConnectionClosedIntentionally)
+                and getattr(reason, "by_close", False)
+                and not isinstance(current, ConnectionClosedIntentionally)
+            ):
+                return False
+            self.reason = reason
+        if self.writer is not None:
+            self.writer.fail(self.error_for_caller)
+        if not isinstance(reason, ConnectionClosedIntentionally):
+            if self._drainer is not None:
+                self._drainer.request_stop()  # on its way out it closes the socket
+        self.waiters.end()
+        self.inbox.end()
+        self._unblocked.set()
+        return True
+
+    def as_connection_error(self, error: BaseException) -> BaseException:
         if isinstance(error, (AMQPError, ConnectionClosedIntentionally)):
             return error  # typed already: ours, or the broker's Connection.Close
         if isinstance(error, OSError):
@@ -281,12 +285,10 @@ class Connection(amqp.Connection):
         return lost
 
     def _write_failed(self, error: OSError) -> BaseException:
-        if self._reason is None and self._drainer is None:
-            return error  # legacy: py-amqp's own error
-        self._end(self._as_connection_error(error))
-        return self._error_for_caller()
+        self.end(self.as_connection_error(error))
+        return self.error_for_caller()
 
-    def _close_socket(self) -> None:
+    def _close_socket(self, deadline: float, shutdown: bool = True) -> None:
         """Shut the socket down (waking any blocked reader or writer), then close it.
 
         No TLS ``unwrap``: it would wait for the peer. Safe to call more than once.
@@ -296,22 +298,20 @@ class Connection(amqp.Connection):
         if transport is None or sock is None:
             return
         transport.connected = False
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        # Writers hold the lock while in sendall; after the shutdown they return at once.
-        locked = self._transport_lock.acquire(timeout=CLOSE_TIMEOUT)
+        if shutdown:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        # A legacy reader or a writer may be inside a socket call; after the shutdown it
+        # returns at once, and then the descriptor can go.
+        io_lock = self.writer.io_lock if self.writer is not None else self.transport_lock
+        locked = io_lock.acquire(timeout=max(deadline - monotonic(), 0.0))
         try:
             sock.close()
         finally:
             if locked:
-                self._transport_lock.release()
-
-    @property
-    def connected(self) -> bool:  # type: ignore[override]
-        transport = self._transport
-        return bool(transport and transport.connected and self._reason is None)
+                io_lock.release()
 
     def close(  # type: ignore[override]
         self,
@@ -320,201 +320,178 @@ class Connection(amqp.Connection):
         method_sig: tuple[int, int] = (0, 0),
         argsig: str = "BsBB",
     ) -> None:
-        """Close the connection: ``Connection.Close``, a bounded wait for ``CloseOk``,
-        then stop the drainer and close the socket. Idempotent, safe from any thread;
-        every waiting thread wakes with :class:`ConnectionClosedIntentionally`."""
-        with self._close_lock:
+        """Close the connection: ``Connection.Close``, then wait for ``CloseOk``, stop the
+        drainer and close the socket, all within one deadline of ``CLOSE_TIMEOUT``.
+
+        Idempotent and safe from any thread; a no-op on a connection that has already
+        ended (only its resources are released). Every waiting thread wakes with
+        :class:`ConnectionClosedIntentionally`."""
+        deadline = monotonic() + CLOSE_TIMEOUT
+        if not self._close_lock.acquire(timeout=CLOSE_TIMEOUT):
+            return  # another thread is closing it, within the same bound
+        try:
             if self._transport is None:
                 return
-            if self._reason is None and self._transport.connected:
+            intentional = ConnectionClosedIntentionally("connection closed by close()")
+            intentional.by_close = True  # type: ignore[attr-defined]
+            if self.reason is None and self._transport.connected:
+                closed_ok = Waiter()
+                self._closed_ok = closed_ok
+                self.is_closing = True
                 args = (reply_code, reply_text, method_sig[0], method_sig[1])
                 try:
-                    self._close_handshake(args, argsig)
-                except (OSError, AMQPError, ConnectionClosedIntentionally):
+                    AbstractChannel.send_method(self, spec.Connection.Close, argsig, args)
+                    self.end(intentional)
+                    self.reader.wait(closed_ok, deadline, closing=True)
+                except (OSError, AMQPError, TimeoutError, ConnectionClosedIntentionally):
                     pass  # the link is going away either way
-            self.collect()
-
-    def _close_handshake(self, args: tuple[Any, ...], argsig: str) -> None:
-        deadline = monotonic() + CLOSE_TIMEOUT
-        self.is_closing = True
-        intentional = ConnectionClosedIntentionally("connection closed by close()")
-        if self._drainer is not None:
-            AbstractChannel.send_method(self, spec.Connection.Close, argsig, args)
-            self._end(intentional)
-            self._close_ok.wait(CLOSE_TIMEOUT)  # the drainer delivers CloseOk
-            return
-        # Legacy: never wait for CloseOk while holding the lock, so that a thread in a
-        # blocking read can deliver it; read it ourselves only when the lock is free.
-        if not self._transport_lock.acquire(timeout=CLOSE_TIMEOUT):
-            return  # a reader holds the socket for good; collect() shuts it down
-        try:
-            AbstractChannel.send_method(self, spec.Connection.Close, argsig, args)
+            self.end(intentional)
+            self._release(deadline)
         finally:
-            self._transport_lock.release()
-        self._end(intentional)
-        while not self._close_ok.is_set():
-            remaining = deadline - monotonic()
-            if remaining <= 0 or not self._transport_lock.acquire(timeout=remaining):
-                return
-            try:
-                if self._close_ok.is_set():
-                    return
-                with self._transport.having_timeout(max(remaining, 0.001)):
-                    frame = self._transport.read_frame()
-                self._on_inbound_frame(frame)
-            except (OSError, AMQPError):
-                return
-            finally:
-                self._transport_lock.release()
+            self._close_lock.release()
+
+    _closed_ok: Waiter | None = None
 
     def _on_close_ok(self) -> None:
-        self._close_ok.set()  # close() tears down; the reader that got this does not
+        # CloseOk from the broker (or ours sent after the broker's Close): the socket is
+        # torn down by close(), or by whoever ends the connection, not by the reader.
+        if self._closed_ok is not None:
+            self._closed_ok(spec.Connection.CloseOk)
 
     def collect(self) -> None:
-        """Tear down without the close handshake (kombu calls this after errors)."""
-        self._end(ConnectionClosedIntentionally("connection collected"))
+        """Tear down without the close handshake (kombu calls this after errors).
+
+        On a healthy connection every waiter wakes with
+        :class:`ConnectionClosedIntentionally`; on one that already failed, the failure
+        stays the reason, so kombu's retry logic keeps retrying."""
+        self.end(ConnectionClosedIntentionally("connection collected"))
+        self._release(monotonic() + CLOSE_TIMEOUT)
+
+    def _release(self, deadline: float, shutdown: bool = True) -> None:
+        """Stop the reader, close the socket and channels; once per connection."""
         drainer = self._drainer
-        if drainer is not None and not drainer.stop(CLOSE_TIMEOUT):
-            logger.warning("drainer thread %s did not stop in time", drainer.thread.name)
-        self._close_socket()
+        if drainer is not None:
+            drainer.request_stop()
+            if not drainer.stop(max(deadline - monotonic(), 0.0)):
+                logger.warning("drainer thread %s did not stop in time", drainer.thread.name)
+        self._close_socket(deadline, shutdown)
         if drainer is not None and not drainer.is_alive():
             drainer.close()
-        if self._inbox_signal is not None:
-            self._inbox_signal.close()
-        _drainer_connections.discard(self)
+        self.inbox.close()
+        _connections.discard(self)
         for channel in list((self.channels or {}).values()):
             if channel is not self:
                 channel.collect()
         self._transport = self.connection = self.channels = None  # type: ignore[assignment]
 
-    # -- reading -------------------------------------------------------------------------
+    # -- the drainer's sink ----------------------------------------------------------------
+    @property
+    def io_lock(self) -> Any:
+        assert self.writer is not None
+        return self.writer.io_lock
+
+    def dispatch_frames(self, frames: list[Frame]) -> None:
+        on_frame = self.on_inbound_frame
+        with self.transport_lock:
+            start = perf_counter()
+            try:
+                for frame in frames:
+                    on_frame(frame)
+            finally:
+                self._lock_held += perf_counter() - start
+
+    def try_send_heartbeat(self) -> bool:
+        if self.reason is not None or self.writer is None or self.writer.busy:
+            return False  # a write is in progress: that is traffic too
+        self.send_heartbeat()
+        return True
+
+    def reading_paused(self) -> bool:
+        return self.inbox.full
+
+    def _on_inbox_room(self) -> None:
+        if self._drainer is not None:
+            self._drainer.wake()
+
+    def drainer_exited(self, error: BaseException | None) -> None:
+        if error is not None:
+            self.end(self.as_connection_error(error))
+        if not isinstance(self.reason, ConnectionClosedIntentionally):
+            # Failed: release the socket and the wake-up pair now, not when kombu gets
+            # round to collect() (it may just drop the connection).
+            self._close_socket(monotonic() + CLOSE_TIMEOUT)
+            if self._drainer is not None:
+                self._drainer.close()
+        if self._closed_ok is not None:
+            self._closed_ok.fail()  # a close() in progress need not wait any longer
+
+    # -- reading ---------------------------------------------------------------------------
     def on_inbound_method(
         self, channel_id: int, method_sig: tuple[int, int], payload: bytes, content: Any
     ) -> Any:
-        self._dispatched += 1
-        if self._reason is not None and method_sig not in _HANDLED_WHILE_CLOSING:
+        if self.reason is not None and method_sig not in _HANDLED_WHILE_CLOSING:
             return None  # discarded after close, as the spec requires
         channels = self.channels
-        if channels is not None and channel_id not in channels and self._drainer is not None:
+        if channels is not None and channel_id not in channels:
             logger.debug("dropping %s for unknown channel %s", method_sig, channel_id)
             return None
         return super().on_inbound_method(channel_id, method_sig, payload, content)
 
+    def dispatch_method(self, method_sig: tuple[int, int], payload: bytes, content: Any) -> None:
+        if method_sig == spec.Connection.Blocked:
+            # After the 4-byte class/method: the reason, a short string.
+            self._blocked_reason = payload[5 : 5 + payload[4]].decode() if len(payload) > 4 else ""
+            self._unblocked.clear()
+        elif method_sig == spec.Connection.Unblocked:
+            self._unblocked.set()
+        else:
+            return super().dispatch_method(method_sig, payload, content)
+        # on_blocked / on_unblocked are user code: they run in drain_events().
+        self.inbox.post(None, super().dispatch_method, method_sig, payload, content)
+
     def drain_events(self, timeout: float | None = None) -> Any:
-        """Handle one event, or raise ``socket.timeout`` after ``timeout`` seconds.
-
-        Drainer mode: run the next queued delivery or callback in this thread.
-        Legacy mode: read from the socket under the transport lock.
-        """
-        if self._drainer is not None:
-            return self._run_next_callback(timeout)
-        return self._read_events(timeout)
-
-    def _read_events(self, timeout: float | None, until: Callable[[], bool] | None = None) -> Any:
-        self._raise_if_ended()
-        seen = self._dispatched
-        deadline = None if timeout is None else monotonic() + timeout
-        lock = self._transport_lock
-        if not lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise TimeoutError()
-        try:
-            self._raise_if_ended()
-            if self._dispatched != seen or (until is not None and until()):
-                return True  # another reader handled a method while we waited: recheck
-            remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
-            try:
-                return super().drain_events(remaining)
-            except (OSError, AMQPError) as exc:
-                if self._reason is not None:
-                    raise self._error_for_caller() from exc
-                raise
-        finally:
-            self._transport_lock.release()
-
-    def _run_next_callback(self, timeout: float | None) -> Any:
+        """Run the next queued callback (a delivery, a return, ...) in this thread, or
+        raise ``TimeoutError`` after ``timeout`` seconds. Legacy mode reads the socket
+        while it waits; drainer mode sleeps until the drainer queues something."""
+        if not self._handshake_complete:
+            return super().drain_events(timeout)  # connect(): py-amqp's own handshake
         deadline = None if timeout is None else monotonic() + timeout
         while True:
-            with self._inbox_ready:
-                while not self._inbox and self._reason is None:
-                    remaining = None if deadline is None else deadline - monotonic()
-                    if remaining is not None and remaining <= 0:
-                        break
-                    self._inbox_ready.wait(remaining)
-                ready = bool(self._inbox)
-            self._raise_if_ended()  # outside the lock: the other woken threads need it
-            if not ready:
+            self.reader.wait(self.inbox, deadline)
+            self.raise_if_ended()
+            if self.inbox.run_one(deadline):
+                return True
+            if deadline is not None and monotonic() >= deadline:
                 raise TimeoutError()
-            remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
-            if not self._callback_lock.acquire(timeout=-1 if remaining is None else remaining):
-                raise TimeoutError()
-            try:
-                with self._inbox_ready:
-                    item = self._inbox.popleft() if self._inbox else None
-                if item is not None:
-                    function, args = item
-                    return function(*args)
-            finally:
-                self._callback_lock.release()
-
-    def _post(self, function: Callable[..., Any], *args: Any) -> None:
-        """Queue a user callback for the next ``drain_events()`` caller (drainer thread)."""
-        with self._inbox_ready:
-            self._inbox.append((function, args))
-            self._inbox_ready.notify()
-        self._notify_inbox_listeners()
-
-    def _notify_inbox_listeners(self) -> None:
-        if self._inbox_signal is not None:
-            self._inbox_signal.set()
 
     def inbox_fileno(self) -> int:
         """A descriptor that turns readable when callbacks are queued for
         ``drain_events()`` or the connection ends, for an event loop (kombu's Hub) to
         watch instead of the socket, which belongs to the drainer. After it fires,
         call :meth:`run_pending_callbacks`."""
-        with self._state_lock:
-            if self._inbox_signal is None:
-                self._inbox_signal = _Signal()
-            signal = self._inbox_signal
-        if self._inbox or self._reason is not None:
-            signal.set()
-        return signal.fileno()
+        return self.inbox.signal().fileno()
 
     def run_pending_callbacks(self) -> int:
         """Run every queued callback in this thread without waiting; return how many.
         Raises the connection's error if it has ended."""
-        if self._inbox_signal is not None:
-            self._inbox_signal.clear()
+        self.inbox.signal().clear()
         done = 0
         while True:
-            try:
-                self._run_next_callback(0)
-            except TimeoutError:
+            self.raise_if_ended()
+            if not self.inbox.run_one(monotonic()):
                 return done
             done += 1
 
-    def _on_blocked(self) -> Any:
-        if self._drainer is None:
-            return super()._on_blocked()
-        self._post(super()._on_blocked)
-        return None
-
-    def _on_unblocked(self) -> Any:
-        if self._drainer is None:
-            return super()._on_unblocked()
-        self._post(super()._on_unblocked)
-        return None
-
-    # -- heartbeats ----------------------------------------------------------------------
+    # -- heartbeats ------------------------------------------------------------------------
     def heartbeat_tick(self, rate: int = 2) -> None:
         """Legacy: py-amqp's. Drainer mode: the drainer owns heartbeats; this only
         raises the connection's failure, if any."""
         if self._drainer is None:
             return super().heartbeat_tick(rate)
-        if self._reason is not None and not isinstance(self._reason, ConnectionClosedIntentionally):
-            raise self._error_for_caller()
+        if self.reason is not None and not isinstance(self.reason, ConnectionClosedIntentionally):
+            raise self.error_for_caller()
 
-    # -- introspection -------------------------------------------------------------------
+    # -- introspection ---------------------------------------------------------------------
     def drainer_stats(self) -> dict[str, float | int | bool]:
         """Plain numbers to log: what the drainer read and sent, and who is waiting."""
         drainer = self._drainer
@@ -522,40 +499,49 @@ class Connection(amqp.Connection):
             "dedicated_drainer": self.dedicated_drainer,
             "running": bool(drainer and drainer.is_alive()),
             "lock_held_seconds": self._lock_held,
-            "waiting_threads": len(self._waiters),
-            "pending_callbacks": len(self._inbox),
+            "waiting_threads": len(self.waiters),
+            "pending_callbacks": len(self.inbox),
+            "reading_paused": self.inbox.full,
+            "blocked": not self._unblocked.is_set(),
         }
         if drainer is not None:
             stats.update(drainer.stats.as_dict())
         return stats
 
-    # -- fork ----------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        mode = "drainer" if self.dedicated_drainer else "legacy"
+        state = "ended" if self.reason is not None else "open" if self.connected else "new"
+        return f"<drainer_amqp.Connection {self.host} {mode} {state} at {id(self):#x}>"
+
+    # -- fork ------------------------------------------------------------------------------
     def _after_fork_in_child(self) -> None:
-        """The child has no drainer thread and shares the parent's socket: close this
-        process's copy of the descriptor (no shutdown: that would end the parent's
-        link too) and fail the connection, so kombu reconnects in the child."""
+        """The child has no drainer thread and shares the parent's socket: fail the
+        connection through the one end path, and close this process's copy of the
+        descriptor without a shutdown (that would end the parent's link too)."""
         self._init_locks()
-        self._waiters.clear()
-        self._inbox.clear()
-        self._reason = ConnectionLost(
-            f"connection to {self.host} was inherited by a forked process; reconnect in the child"
-        )
-        transport = self._transport
-        if transport is not None:
-            transport.connected = False
-            if transport.sock is not None:
-                transport.sock.close()
+        self.waiters.reset()
+        self.inbox.reset()
         if self._drainer is not None:
-            self._drainer.close()
+            self._drainer.close()  # its thread does not exist here; its pipe does
+            self._drainer = None
+        self.writer = None  # its lock may be held by a parent thread that is gone
+        self.end(
+            ConnectionLost(
+                f"connection to {self.host} was inherited by a forked process; "
+                "reconnect in the child"
+            )
+        )
+        self._release(monotonic(), shutdown=False)
 
 
-_drainer_connections: weakref.WeakSet[Connection] = weakref.WeakSet()
+#: Every open connection, for the fork hook.
+_connections: weakref.WeakSet[Connection] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    for conn in list(_drainer_connections):
+    for conn in list(_connections):
         conn._after_fork_in_child()
-    _drainer_connections.clear()
+    _connections.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

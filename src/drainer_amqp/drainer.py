@@ -6,13 +6,15 @@ Threading contract
 * It sleeps in ``select`` on the socket and a wake-up socketpair, reads what is
   there without blocking, and assembles frames itself (:mod:`.framing`). Only
   complete frames are handed to ``sink.dispatch_frames``, which takes the transport
-  lock for the time it takes to dispatch them; no read ever happens under that lock
-  (TLS is the exception that proves it: an ``SSLSocket`` may not be read and written
-  at once, so a TLS read is a *non-blocking* read under the lock).
-* It sends heartbeats when nothing else was written for half the interval and
-  fails the connection when the broker was silent for two intervals.
-* It never runs user code: the sink hands deliveries and user callbacks to threads
-  that call ``drain_events()``.
+  lock for the time it takes to dispatch them; no read ever happens under that lock.
+  (TLS: an ``SSLSocket`` may not be read and written at once, so a TLS read is a
+  *non-blocking* read under the writer's ``io_lock``.)
+* It sends a heartbeat (py-amqp's ``send_heartbeat``) when nothing was written for
+  half the interval, and fails the connection when the broker was silent for two.
+* It never runs user code: the sink queues deliveries and user callbacks for the
+  threads that call ``drain_events()``. While that queue is full
+  (``sink.reading_paused()``) it stops reading, so TCP back-pressure reaches the
+  broker; the queue's owner calls :meth:`Drainer.wake` when there is room again.
 * Its owner (the ``Connection``) stops it with :meth:`Drainer.stop`, which wakes the
   ``select`` at once; the thread then exits and reports to ``sink.drainer_exited``.
 """
@@ -29,6 +31,7 @@ from typing import Any, Protocol
 
 from .errors import ConnectionLost, HeartbeatTimeout
 from .framing import Frame, FrameAssembler
+from .sync import Awaitable
 
 __all__ = ["Drainer", "DrainerStats", "DrainerSink"]
 
@@ -41,10 +44,11 @@ class DrainerSink(Protocol):
     bytes_sent: int
 
     @property
-    def transport_lock(self) -> Any: ...
+    def io_lock(self) -> Any: ...
 
     def dispatch_frames(self, frames: list[Frame]) -> None: ...
     def try_send_heartbeat(self) -> bool: ...
+    def reading_paused(self) -> bool: ...
     def drainer_exited(self, error: BaseException | None) -> None: ...
 
 
@@ -77,7 +81,7 @@ class Drainer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._stopping = False
+        self._stopping = False  # set once by request_stop(), read by the thread
         self.stats = DrainerStats()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -118,12 +122,18 @@ class Drainer:
     def is_alive(self) -> bool:
         return self.thread.is_alive()
 
+    def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
+        """The :class:`~drainer_amqp.reading.Reader` seam: this thread reads, so a caller
+        only sleeps until ``awaitable`` is ready; ``TimeoutError`` at ``deadline``."""
+        timeout = None if deadline is None else deadline - monotonic()
+        if not awaitable.wait(timeout):
+            raise TimeoutError()
+
     # -- the thread ----------------------------------------------------------------
     def _run(self) -> None:
         error: BaseException | None = None
         selector = selectors.DefaultSelector()
         try:
-            selector.register(self._sock, selectors.EVENT_READ)
             selector.register(self._wake_r, selectors.EVENT_READ)
             self._loop(selector)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported to the owner
@@ -137,12 +147,22 @@ class Drainer:
         last_recv = last_sent = now
         seen_sent = self._sink.bytes_sent
         interval = self._heartbeat
+        watching = False  # whether the socket is registered with the selector
         while not self._stopping:
+            paused = self._sink.reading_paused()
+            if paused == watching:
+                if paused:
+                    selector.unregister(self._sock)
+                else:
+                    selector.register(self._sock, selectors.EVENT_READ)
+                watching = not paused
+            if paused:
+                last_recv = monotonic()  # the silence is ours, not the broker's
             timeout = None
             if interval:
                 due = min(last_sent + interval / 2, last_recv + 2 * interval)
                 timeout = max(0.0, due - monotonic())
-            if self._tls and self._sock.pending():  # type: ignore[attr-defined]
+            if not paused and self._tls and self._sock.pending():  # type: ignore[attr-defined]
                 readable = True  # decrypted bytes that select cannot see
             else:
                 readable = False
@@ -200,7 +220,7 @@ class Drainer:
     def _recv_tls(self) -> bytes | None:
         sock = self._sock
         chunks = []
-        with self._sink.transport_lock:
+        with self._sink.io_lock:
             previous = sock.gettimeout()
             sock.setblocking(False)
             try:

@@ -5,7 +5,10 @@ Every thread that waits on a connection sees the same reason when it ends:
 * ``ConnectionLost`` (and its subclasses) when the link failed. It is a py-amqp
   ``RecoverableConnectionError``, so kombu's ``ensure()``, ``autoretry`` and
   ``Producer.publish(retry=True)`` reconnect.
-* ``ConnectionClosedIntentionally`` after ``close()`` or ``collect()``. It derives from
+* ``ConnectionBlocked`` when a publish waited too long on a connection the broker has
+  blocked (a memory or disk alarm). Recoverable: kombu retries it by its retry policy.
+* ``ConnectionClosedIntentionally`` after ``close()`` (or ``collect()`` of a healthy
+  connection). It derives from
   nothing in the transport's ``connection_errors``, ``recoverable_connection_errors``
   or ``channel_errors``, so nothing in kombu reconnects after a deliberate shutdown.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 from amqp.exceptions import RecoverableConnectionError
 
 __all__ = [
+    "ConnectionBlocked",
     "ConnectionClosedIntentionally",
     "ConnectionLost",
     "HeartbeatTimeout",
@@ -36,3 +40,8 @@ class HeartbeatTimeout(ConnectionLost):
 
 class MalformedFrame(ConnectionLost):
     """The broker sent bytes that are not a valid AMQP frame."""
+
+
+class ConnectionBlocked(RecoverableConnectionError):
+    """The broker blocked publishing (``Connection.Blocked``) for longer than the
+    publish could wait."""

@@ -6,6 +6,16 @@ the transport option ``dedicated_drainer``. Importing this package also register
 URL schemes ``drainer-amqp://`` and ``drainer-amqps://``, which survive kombu's failover
 (``Connection.switch`` re-reads the transport from each URL's scheme).
 
+Many threads, one ``kombu.Connection``: when a link fails, every thread on it sees the
+failure, and each one's ``ensure()`` calls ``collect()`` and reconnects. Two rules keep
+that converging on one live connection:
+
+* A ``collect()`` by a thread whose error came from *another* connection than the one
+  kombu now holds (a thread that was slower to notice the failure, while another one
+  already reconnected) leaves the live connection alone.
+* Reconnects of one ``kombu.Connection`` are serialised: a thread that reconnects after
+  another one already did gets that live connection instead of opening one more.
+
 kombu's event loop (the Hub, used by the Celery worker): in drainer mode the socket
 belongs to the drainer thread, so the Hub watches :meth:`Connection.inbox_fileno`
 instead and runs queued callbacks in the Hub thread. Heartbeats are the drainer's,
@@ -14,6 +24,9 @@ so the Hub's periodic ``heartbeat_check`` only reports a failed link.
 
 from __future__ import annotations
 
+import sys
+import threading
+import weakref
 from typing import Any
 
 from kombu.transport import TRANSPORT_ALIASES, pyamqp
@@ -22,11 +35,40 @@ from .connection import Connection as DrainerConnection
 
 __all__ = ["SSLTransport", "Transport"]
 
+_live_lock = threading.Lock()  # guards _live and _reconnect_locks
+#: Each kombu.Connection's live connection, and the lock its reconnects take in turn.
+_live: weakref.WeakKeyDictionary[Any, DrainerConnection] = weakref.WeakKeyDictionary()
+_reconnect_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+
 
 class Transport(pyamqp.Transport):
     """kombu's py-amqp transport, with :class:`drainer_amqp.Connection` connections."""
 
     Connection = DrainerConnection
+
+    def establish_connection(self) -> DrainerConnection:
+        client = self.client
+        if client is None:
+            return super().establish_connection()  # type: ignore[no-any-return]
+        with _live_lock:
+            lock = _reconnect_locks.setdefault(client, threading.Lock())
+        with lock:
+            current = _live.get(client)
+            if current is not None and current.connected:
+                return current  # another thread of this kombu.Connection reconnected first
+            connection: DrainerConnection = super().establish_connection()
+            with _live_lock:
+                _live[client] = connection
+            return connection
+
+    def _collect(self, connection: DrainerConnection | None) -> None:
+        if connection is None:
+            return
+        error = sys.exc_info()[1]  # kombu's ensure() collects while handling an error
+        origin = getattr(error, "drainer_connection", None)
+        if connection.reason is None and origin is not None and origin() is not connection:
+            return  # stale: this thread's error came from a connection already replaced
+        connection.collect()
 
     def register_with_event_loop(self, connection: DrainerConnection, loop: Any) -> None:
         if not connection.dedicated_drainer:
@@ -34,7 +76,7 @@ class Transport(pyamqp.Transport):
         loop.add_reader(connection.inbox_fileno(), self.on_readable, connection, loop)
 
     def unregister_from_event_loop(self, connection: DrainerConnection, loop: Any) -> None:
-        if connection.dedicated_drainer and connection._inbox_signal is not None:
+        if connection.dedicated_drainer and connection.inbox.watched:
             loop.remove_reader(connection.inbox_fileno())
         return super().unregister_from_event_loop(connection, loop)
 
@@ -44,14 +86,9 @@ class Transport(pyamqp.Transport):
         connection.run_pending_callbacks()
 
 
-class SSLTransport(Transport):
-    """:class:`Transport` over TLS (``amqps``)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        client = self.client
-        if client is not None and not client.ssl:
-            client.ssl = True
+class SSLTransport(Transport, pyamqp.SSLTransport):
+    """:class:`Transport` over TLS (``amqps``): kombu's ``pyamqp.SSLTransport``, with its
+    TLS defaults, and drainer connections."""
 
 
 TRANSPORT_ALIASES.setdefault("drainer-amqp", "drainer_amqp:Transport")

@@ -1,0 +1,169 @@
+"""The synchronisation primitives of the library, all in one place.
+
+* :class:`Waiter`: one thread's wait for one thing (a reply, a confirm, CloseOk).
+* :class:`Signal`: a self-pipe, for event loops and the drainer's ``select``.
+* :class:`FairRLock`: the legacy transport lock, handed to waiters in arrival order.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections import deque
+from typing import Any, Protocol
+
+__all__ = ["Awaitable", "FairRLock", "Signal", "Waiter"]
+
+
+class Awaitable(Protocol):
+    """Something a thread can wait for: a :class:`Waiter`, or the inbox."""
+
+    def ready(self) -> bool: ...
+    def wait(self, timeout: float | None) -> bool: ...
+
+
+class Waiter:
+    """One thread's wait for a reply: filled by whichever thread reads it, waited on by
+    its owner. Filled at most once: the first of a reply or a failure wins.
+
+    The signal is a bare lock, held until the reply (or the end) arrives: waking a thread
+    from ``Lock.acquire`` costs less than from ``Event.wait``, which matters when one
+    failure wakes dozens of waiters at once.
+    """
+
+    __slots__ = ("methods", "done", "value", "error", "_signal")
+
+    def __init__(self, methods: tuple[tuple[int, int], ...] = ()) -> None:
+        self.methods = methods
+        self.done = False
+        self.value: tuple[tuple[int, int], tuple[Any, ...]] | None = None
+        self.error: BaseException | None = None
+        self._signal = threading.Lock()
+        self._signal.acquire()
+
+    def __call__(self, method_sig: tuple[int, int], *args: Any) -> None:
+        """Fill the wait with a reply (py-amqp's ``dispatch_method`` calls this)."""
+        if not self.done:
+            self.value = (method_sig, args)
+            self._wake()
+
+    def fail(self, error: BaseException | None = None) -> None:
+        """Wake the owner without a reply: with ``error``, or (None) with the connection's
+        end, which the owner then looks up."""
+        if not self.done:
+            self.error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        self.done = True
+        try:
+            self._signal.release()
+        except RuntimeError:  # a reply and a failure raced: already woken
+            pass
+
+    def ready(self) -> bool:
+        return self.done
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until filled or ``timeout``; the owner's thread only."""
+        if self.done:
+            return True
+        if self._signal.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            self._signal.release()  # a later wait() returns at once
+            return True
+        return self.done
+
+
+class Signal:
+    """A self-pipe: readable after :meth:`set` until :meth:`clear`. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._is_set = False  # written by set()/clear(); a stale read costs one spare byte
+
+    def fileno(self) -> int:
+        return self._r.fileno()
+
+    def set(self) -> None:
+        if not self._is_set:
+            self._is_set = True
+            try:
+                self._w.send(b"\0")
+            except OSError:  # full (a byte is pending anyway) or closed
+                pass
+
+    def clear(self) -> None:
+        # Empty the pipe first, then reset the flag: the other way round, a set() landing
+        # in between would have its byte read away while the flag stayed set, and no
+        # later set() would ever write again.
+        try:
+            while self._r.recv(4096):
+                pass
+        except OSError:
+            pass
+        self._is_set = False
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+
+class FairRLock:
+    """``threading.RLock``'s interface; ``release()`` passes ownership to the
+    longest-waiting thread.
+
+    Legacy mode needs it: Python's own locks are not fair, so a thread looping on
+    ``drain_events(timeout=1)`` would take the transport lock back before a waiting
+    publisher wakes, and starve it for many read timeouts instead of one.
+    """
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()  # guards _owner, _depth, _waiters
+        self._owner: int | None = None
+        self._depth = 0
+        self._waiters: deque[tuple[int, threading.Lock]] = deque()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        me = threading.get_ident()
+        with self._mutex:
+            if self._owner == me:
+                self._depth += 1
+                return True
+            if self._owner is None and not self._waiters:
+                self._owner, self._depth = me, 1
+                return True
+            if not blocking:
+                return False
+            turn = threading.Lock()
+            turn.acquire()
+            entry = (me, turn)
+            self._waiters.append(entry)
+        if turn.acquire(timeout=timeout):
+            return True  # release() made us the owner before waking us
+        with self._mutex:
+            if self._owner == me:  # handed over just as we timed out
+                return True
+            self._waiters.remove(entry)
+            return False
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("cannot release un-acquired lock")
+            self._depth -= 1
+            if self._depth:
+                return
+            if self._waiters:
+                self._owner, turn = self._waiters.popleft()
+                self._depth = 1
+                turn.release()
+            else:
+                self._owner = None
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()

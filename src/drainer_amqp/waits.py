@@ -1,0 +1,252 @@
+"""Who is waiting on a connection, shared by both modes.
+
+* :class:`Waiters`: every thread waiting for a reply or a confirm, so that one end of the
+  connection wakes them all.
+* :class:`Confirms`: a channel's publisher confirms, matched by delivery tag.
+* :class:`Inbox`: callbacks that run user code (deliveries, returns, cancels, ack
+  events, blocked notices), queued by the thread that read them for the threads in
+  ``drain_events()``.
+
+The reading thread (the drainer, or in legacy mode the thread holding the transport
+lock) fills these; any thread may wait on them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable
+from time import monotonic
+from typing import Any
+
+from .sync import Signal, Waiter
+
+__all__ = ["Confirms", "Inbox", "Waiters"]
+
+
+class Waiters:
+    """The set of live :class:`Waiter` objects of one connection."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards _waiting and _ended
+        self._waiting: set[Waiter] = set()
+        self._ended = False
+
+    def add(self, waiter: Waiter) -> Waiter:
+        """Register ``waiter``; after the end it is failed at once."""
+        with self._lock:
+            if not self._ended:
+                self._waiting.add(waiter)
+                return waiter
+        waiter.fail()
+        return waiter
+
+    def discard(self, waiter: Waiter) -> None:
+        with self._lock:
+            self._waiting.discard(waiter)
+
+    def end(self) -> None:
+        """Wake every waiter (they look up the connection's reason); later adds fail."""
+        with self._lock:
+            self._ended = True
+            waiting, self._waiting = self._waiting, set()
+        for waiter in waiting:
+            waiter.fail()
+
+    def reset(self) -> None:
+        """After a fork: the parent's waiters do not exist in this process."""
+        self._lock = threading.Lock()
+        self._waiting = set()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+
+class Confirms:
+    """Publisher confirms of one channel: delivery tags in write order, each with the
+    waiter of the thread that wants its ack, if any.
+
+    :meth:`number` must be called in the order the publishes are written (the writer
+    calls it under its own lock); :meth:`settle` is called by the reading thread.
+    """
+
+    def __init__(self, waiters: Waiters) -> None:
+        self._waiters = waiters
+        self._lock = threading.Lock()  # guards _tag and _waiting
+        self._tag = 0
+        self._waiting: dict[int, Waiter] = {}  # insertion order is tag order
+
+    def reset(self) -> None:
+        """Confirm.Select (re)starts numbering at 1."""
+        with self._lock:
+            self._tag = 0
+            waiting, self._waiting = self._waiting, {}
+        for waiter in waiting.values():
+            self._waiters.discard(waiter)
+            waiter.fail()
+
+    def number(self, waiter: Waiter | None) -> int:
+        """Give the next publish its delivery tag; ``waiter`` (if any) waits for its ack."""
+        with self._lock:
+            self._tag += 1
+            if waiter is not None:
+                self._waiting[self._tag] = waiter
+            return self._tag
+
+    def drop(self, tag: int) -> None:
+        """The publish of ``tag`` no longer wants its ack (it failed, or timed out)."""
+        with self._lock:
+            waiter = self._waiting.pop(tag, None)
+        if waiter is not None:
+            self._waiters.discard(waiter)
+
+    def settle(self, method_sig: tuple[int, int], delivery_tag: int, multiple: bool) -> None:
+        """An ack or nack arrived: wake the waiters of every tag it covers, in one pass."""
+        with self._lock:
+            if not multiple:
+                waiter = self._waiting.pop(delivery_tag, None)
+                settled = [waiter] if waiter is not None else []
+            else:
+                settled = []
+                for tag in list(self._waiting):
+                    if delivery_tag and tag > delivery_tag:
+                        break
+                    settled.append(self._waiting.pop(tag))
+        for waiter in settled:
+            waiter(method_sig)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The broker closed the channel: every pending confirm fails with ``error``."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+        for waiter in waiting.values():
+            waiter.fail(error)
+
+
+Callback = tuple[Hashable, Callable[..., Any], tuple[Any, ...]]
+
+
+class Inbox:
+    """Callbacks for the threads in ``drain_events()``: they run one at a time, in
+    arrival order, in whichever thread takes them.
+
+    ``limit`` bounds how many may wait: at the limit :attr:`full` turns true, and the
+    drainer stops reading the socket (TCP back-pressure reaches the broker) until the
+    queue has drained below half, when ``on_room`` is called.
+    """
+
+    def __init__(self, limit: int = 0, on_room: Callable[[], None] | None = None) -> None:
+        self.limit = limit
+        self.on_room = on_room
+        self.full = False
+        self._ready = threading.Condition(threading.Lock())  # guards _items, _ended, full
+        self._items: deque[Callback] = deque()
+        self._ended = False
+        self._run_lock = threading.RLock()  # one callback at a time, in arrival order
+        self._signal: Signal | None = None  # for event loops; see signal()
+
+    # -- the reading thread ------------------------------------------------------------
+    def post(self, key: Hashable, function: Callable[..., Any], *args: Any) -> None:
+        """Queue ``function(*args)``; ``key`` names its consumer, for :meth:`run_matching`."""
+        with self._ready:
+            if self._ended:
+                return
+            self._items.append((key, function, args))
+            if self.limit and len(self._items) >= self.limit:
+                self.full = True
+            self._ready.notify()
+        if self._signal is not None:
+            self._signal.set()
+
+    def end(self) -> None:
+        """Drop what is queued and wake every waiting thread."""
+        with self._ready:
+            self._ended = True
+            self._items.clear()
+            self.full = False
+            self._ready.notify_all()
+        if self._signal is not None:
+            self._signal.set()
+
+    # -- waiting threads ---------------------------------------------------------------
+    def ready(self) -> bool:
+        return bool(self._items) or self._ended
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until something is queued or the connection ended, or ``timeout``."""
+        with self._ready:
+            return self._ready.wait_for(self.ready, timeout)
+
+    def run_one(self, deadline: float | None) -> bool:
+        """Run the next callback in this thread, if one is queued; return whether one ran.
+        Waits for a callback another thread is running, until ``deadline``."""
+        timeout = -1 if deadline is None else max(deadline - monotonic(), 0.0)
+        if not self._run_lock.acquire(timeout=timeout):
+            return False
+        try:
+            item = self._take(None)
+            if item is None:
+                return False
+            item[1](*item[2])
+            return True
+        finally:
+            self._run_lock.release()
+
+    def run_matching(self, key: Hashable) -> int:
+        """Run, in this thread, every queued callback of ``key`` (a consumer that was just
+        cancelled), in order; return how many ran."""
+        done = 0
+        with self._run_lock:
+            while (item := self._take(key)) is not None:
+                item[1](*item[2])
+                done += 1
+        return done
+
+    def _take(self, key: Hashable | None) -> Callback | None:
+        room = False
+        with self._ready:
+            items = self._items
+            if key is None:
+                item = items.popleft() if items else None
+            else:
+                item = next((i for i in items if i[0] == key), None)
+                if item is not None:
+                    items.remove(item)
+            if self.full and len(items) <= self.limit // 2:
+                self.full = False
+                room = True
+        if room and self.on_room is not None:
+            self.on_room()
+        return item
+
+    # -- event loops -------------------------------------------------------------------
+    def signal(self) -> Signal:
+        """A :class:`Signal` set whenever a callback is queued or the connection ends."""
+        with self._ready:
+            if self._signal is None:
+                self._signal = Signal()
+            signal = self._signal
+        if self.ready():
+            signal.set()
+        return signal
+
+    @property
+    def watched(self) -> bool:
+        """Whether an event loop asked for :meth:`signal`."""
+        return self._signal is not None
+
+    def close(self) -> None:
+        if self._signal is not None:
+            self._signal.close()
+
+    def reset(self) -> None:
+        """After a fork: the parent's threads and callbacks do not exist here."""
+        self._ready = threading.Condition(threading.Lock())
+        self._run_lock = threading.RLock()
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
