@@ -34,6 +34,7 @@ from kombu.utils.collections import eqhash
 from support.broker import (
     broker_connection_names,
     close_broker_connections,
+    drainer_threads,
     unique_name,
     wait_until,
 )
@@ -47,10 +48,6 @@ SHUTDOWN_TIMEOUT = 20.0
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _drainer_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("drainer-amqp-")]
-
-
 def _local_port(conn: drainer_amqp.Connection) -> int:
     return int(conn.sock.getsockname()[1])
 
@@ -292,7 +289,7 @@ def _publish_and_collect(
 # -- 1. settings alone ------------------------------------------------------------------------
 def test_settings_alone_give_drainer_connections(broker_url: str, no_leaks: None) -> None:
     queue = unique_name("drainer-celery-settings")
-    threads_before = set(_drainer_threads())
+    threads_before = set(drainer_threads())
     with celery_app(broker_url, queue) as app:
         assert app.conf.broker_transport == "drainer_amqp:Transport"
         for factory in (app.connection_for_write, app.connection_for_read):
@@ -300,9 +297,9 @@ def test_settings_alone_give_drainer_connections(broker_url: str, no_leaks: None
                 conn.ensure_connection(max_retries=1)
                 assert isinstance(conn.connection, drainer_amqp.Connection)
                 assert conn.connection.drainer_stats()["running"] is True
-                drainer = set(_drainer_threads()) - threads_before
+                drainer = set(drainer_threads()) - threads_before
                 assert len(drainer) == 1, drainer
-            assert wait_until(lambda: not (set(_drainer_threads()) - threads_before), 5)
+            assert wait_until(lambda: not (set(drainer_threads()) - threads_before), 5)
         # the connections apply_async uses: Celery's producer pool
         with app.producer_or_acquire() as producer:
             pooled = producer.connection.connection
@@ -315,7 +312,7 @@ def test_settings_alone_give_drainer_connections(broker_url: str, no_leaks: None
             conn.ensure_connection(max_retries=1)
             assert isinstance(conn.connection, drainer_amqp.Connection)
             assert conn.connection.drainer_stats()["running"] is False
-            assert not (set(_drainer_threads()) - threads_before)
+            assert not (set(drainer_threads()) - threads_before)
 
 
 # -- 2. a real worker, prefork and threads ------------------------------------------------------
@@ -497,7 +494,7 @@ def test_worker_reconnects_after_broker_link_is_killed(
 def test_apply_async_from_many_threads_through_the_pool(broker_url: str, no_leaks: None) -> None:
     queue = unique_name("drainer-celery-producers")
     n_threads, per_thread, limit = 20, 10, 4
-    threads_before = set(_drainer_threads())
+    threads_before = set(drainer_threads())
     peak_drainers = 0
     try:
         with celery_app(
@@ -523,7 +520,7 @@ def test_apply_async_from_many_threads_through_the_pool(broker_url: str, no_leak
                             seen.add(conn)
                     with seen_lock:
                         peak_drainers = max(
-                            peak_drainers, len(set(_drainer_threads()) - threads_before)
+                            peak_drainers, len(set(drainer_threads()) - threads_before)
                         )
                 return ids
 

@@ -4,74 +4,26 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import amqp
 import kombu
 import pytest
 from amqp.exceptions import NotFound
 from kombu.transport import pyamqp
-from support.broker import BROKER_HOST, broker_connection_names, unique_name, wait_until
+from support.broker import (
+    BROKER_HOST,
+    JOIN,
+    broker_connection_names,
+    drainer_threads,
+    run_threads,
+    unique_name,
+    wait_until,
+)
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
 
 MODES = ["legacy", "drainer"]
-JOIN = 15.0  # seconds: a thread not done by then is a hang
-
-
-def drainer_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("drainer-amqp-")]
-
-
-@pytest.fixture
-def connect() -> Iterator[Callable[..., drainer_amqp.Connection]]:
-    """Open connections on demand; close every one at teardown."""
-    opened: list[drainer_amqp.Connection] = []
-
-    def _connect(mode: str = "drainer", **kwargs: Any) -> drainer_amqp.Connection:
-        kwargs.setdefault("host", BROKER_HOST)
-        conn = drainer_amqp.Connection(dedicated_drainer=(mode == "drainer"), **kwargs)
-        opened.append(conn)
-        conn.connect()
-        return conn
-
-    yield _connect
-    for conn in opened:
-        conn.close()
-
-
-@pytest.fixture
-def queue(connect: Callable[..., drainer_amqp.Connection]) -> Iterator[str]:
-    """A unique durable-free queue, deleted at teardown."""
-    name = unique_name()
-    admin = connect("legacy")
-    admin.channel().queue_declare(name, auto_delete=False)
-    yield name
-    admin.channel().queue_delete(name)
-
-
-def run_threads(targets: list[Callable[[], object]], name: str) -> list[BaseException | None]:
-    """Run each target in its own thread; return each one's exception (or None)."""
-    errors: list[BaseException | None] = [None] * len(targets)
-
-    def wrap(i: int, target: Callable[[], object]) -> None:
-        try:
-            target()
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
-            errors[i] = exc
-
-    threads = [
-        threading.Thread(target=wrap, args=(i, target), name=f"{name}-{i}")
-        for i, target in enumerate(targets)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(JOIN)
-        assert not t.is_alive(), f"{t.name} hung"
-    return errors
 
 
 def count_messages(conn: amqp.Connection, queue: str) -> int:

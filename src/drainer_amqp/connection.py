@@ -71,7 +71,8 @@ logger = logging.getLogger(__name__)
 CLOSE_TIMEOUT = 5.0
 #: How long a publish waits while the broker has blocked the connection.
 BLOCKED_TIMEOUT = 10.0
-#: How many callbacks may wait for ``drain_events()`` before the drainer stops reading.
+#: How many callbacks may wait for ``drain_events()`` before the drainer stops reading
+#: (checked between socket reads, so one read's deliveries may go past it).
 INBOX_LIMIT = 10_000
 
 #: Methods still handled after we sent ``Connection.Close``: everything else is
@@ -330,10 +331,12 @@ class Connection(amqp.Connection):
         if not self._close_lock.acquire(timeout=CLOSE_TIMEOUT):
             return  # another thread is closing it, within the same bound
         try:
-            if self._transport is None:
-                return
             intentional = ConnectionClosedIntentionally("connection closed by close()")
             intentional.by_close = True  # type: ignore[attr-defined]
+            if self._transport is None:
+                if self.reason is not None:
+                    self.end(intentional)  # collected after a failure: now closed on purpose
+                return
             if self.reason is None and self._transport.connected:
                 closed_ok = Waiter()
                 self._closed_ok = closed_ok

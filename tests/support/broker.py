@@ -11,12 +11,20 @@ import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 import pytest
 
+import drainer_amqp
+
 __all__ = [
     "BROKER_HOST",
+    "JOIN",
+    "connect",
+    "drainer_threads",
+    "queue",
+    "run_threads",
     "broker_connection_names",
     "close_broker_connections",
     "no_leaks",
@@ -25,6 +33,7 @@ __all__ = [
 ]
 
 BROKER_HOST = os.environ.get("AMQP_HOST", "127.0.0.1:5672")
+JOIN = 15.0  # seconds: a thread not done by then is a hang
 
 
 def unique_name(prefix: str = "drainer-test") -> str:
@@ -74,19 +83,69 @@ def close_broker_connections(local_port: int, reason: str = "closed by test") ->
     return len(names)
 
 
-def _drainer_threads() -> list[threading.Thread]:
+def drainer_threads() -> list[threading.Thread]:
+    """The library's reader threads alive in this process."""
     return [t for t in threading.enumerate() if t.name.startswith("drainer-amqp-")]
+
+
+@pytest.fixture
+def connect() -> Iterator[Callable[..., drainer_amqp.Connection]]:
+    """Open connections on demand; close every one at teardown."""
+    opened: list[drainer_amqp.Connection] = []
+
+    def _connect(mode: str = "drainer", **kwargs: Any) -> drainer_amqp.Connection:
+        kwargs.setdefault("host", BROKER_HOST)
+        conn = drainer_amqp.Connection(dedicated_drainer=(mode == "drainer"), **kwargs)
+        opened.append(conn)
+        conn.connect()
+        return conn
+
+    yield _connect
+    for conn in opened:
+        conn.close()
+
+
+@pytest.fixture
+def queue(connect: Callable[..., drainer_amqp.Connection]) -> Iterator[str]:
+    """A unique durable-free queue, deleted at teardown."""
+    name = unique_name()
+    admin = connect("legacy")
+    admin.channel().queue_declare(name, auto_delete=False)
+    yield name
+    admin.channel().queue_delete(name)
+
+
+def run_threads(targets: list[Callable[[], object]], name: str) -> list[BaseException | None]:
+    """Run each target in its own thread; return each one's exception (or None)."""
+    errors: list[BaseException | None] = [None] * len(targets)
+
+    def wrap(i: int, target: Callable[[], object]) -> None:
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            errors[i] = exc
+
+    threads = [
+        threading.Thread(target=wrap, args=(i, target), name=f"{name}-{i}")
+        for i, target in enumerate(targets)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN)
+        assert not t.is_alive(), f"{t.name} hung"
+    return errors
 
 
 @pytest.fixture
 def no_leaks() -> Iterator[None]:
     """Fail the test if it leaves a drainer thread or a socket/file descriptor behind."""
     process = psutil.Process()
-    threads_before = set(_drainer_threads())
+    threads_before = set(drainer_threads())
     fds_before = process.num_fds()
     yield
-    assert wait_until(lambda: not (set(_drainer_threads()) - threads_before), 5), (
-        f"drainer threads left: {set(_drainer_threads()) - threads_before}"
+    assert wait_until(lambda: not (set(drainer_threads()) - threads_before), 5), (
+        f"drainer threads left: {set(drainer_threads()) - threads_before}"
     )
     assert wait_until(lambda: process.num_fds() <= fds_before, 5), (
         f"file descriptors: {fds_before} before, {process.num_fds()} after"

@@ -1,0 +1,159 @@
+"""Many threads, one kombu connection, repeated faults: kombu's own retry paths.
+
+A failure stays a failure for every thread that used the failed connection (kombu's
+``collect()`` after an error must not turn it into ``ConnectionClosedIntentionally``),
+concurrent reconnects converge on one live connection, and after ``release()`` nothing
+is left running.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+from typing import Any
+
+import kombu
+import psutil
+import pytest
+from support.broker import JOIN, drainer_threads, unique_name, wait_until
+
+from drainer_amqp import ConnectionClosedIntentionally
+
+THREADS = 8
+FAULTS = 6
+RETRY_POLICY = {
+    "max_retries": 30,
+    "interval_start": 0.05,
+    "interval_step": 0.1,
+    "interval_max": 0.5,
+}
+
+
+def _sockets_to(port: int) -> list[Any]:
+    return [
+        c
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    ]
+
+
+@pytest.mark.parametrize("api", ["publish_retry", "ensure", "autoretry"])
+def test_eight_threads_one_connection_repeated_resets(proxied_broker: Any, api: str) -> None:
+    queue = kombu.Queue(unique_name(), auto_delete=False)
+    conn = kombu.Connection(
+        proxied_broker.url,
+        transport="drainer_amqp:Transport",
+        transport_options={"dedicated_drainer": True, "confirm_publish": True},
+    )
+    threads_before = set(drainer_threads())
+    queue.bind(conn.default_channel).declare()
+    stop = threading.Event()
+    confirmed: list[str] = []
+    raised: Counter[str] = Counter()
+    lock = threading.Lock()  # guards confirmed and raised
+
+    def publisher(n: int) -> None:
+        producer = kombu.Producer(conn.channel())
+        publish: Any = producer.publish
+        if api == "ensure":
+            publish = conn.ensure(producer, producer.publish, **RETRY_POLICY)
+        elif api == "autoretry":
+
+            def send(body: str, routing_key: str, channel: Any = None) -> None:
+                kombu.Producer(channel).publish(body, routing_key=routing_key)
+
+            # autoretry hands the function a revived channel after each reconnect.
+            publish = conn.autoretry(send, channel=producer.channel, **RETRY_POLICY)
+        i = 0
+        while not stop.is_set():
+            body = f"{n}-{i}"
+            i += 1
+            try:
+                if api == "publish_retry":
+                    publish(body, routing_key=queue.name, retry=True, retry_policy=RETRY_POLICY)
+                else:
+                    publish(body, routing_key=queue.name)
+            except Exception as exc:  # noqa: BLE001 - counted by type, asserted below
+                with lock:
+                    raised[type(exc).__name__] += 1
+                continue
+            with lock:
+                confirmed.append(body)
+
+    workers = [
+        threading.Thread(target=publisher, args=(n,), name=f"publisher-{n}") for n in range(THREADS)
+    ]
+    rng = random.Random(11)
+
+    def progressed() -> bool:
+        start = len(confirmed)
+        return wait_until(lambda: len(confirmed) > start + 20, 30)
+
+    try:
+        for w in workers:
+            w.start()
+        for i in range(FAULTS):
+            assert progressed(), f"no progress; raised so far: {raised}"
+            if i % 2:
+                proxied_broker.proxy.disable()
+                threading.Event().wait(rng.uniform(0.05, 0.3))
+                proxied_broker.proxy.enable()
+            else:
+                proxied_broker.proxy.add_toxic(
+                    name="reset", type="reset_peer", attributes={"timeout": 0}
+                )
+                threading.Event().wait(0.05)
+                proxied_broker.proxy.destroy_toxic("reset")
+        assert progressed(), f"no progress; raised so far: {raised}"
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(JOIN)
+    assert not any(w.is_alive() for w in workers), "a publisher hung"
+    assert "ConnectionClosedIntentionally" not in raised, raised
+    # Every confirmed message is in the queue (more may be: at-least-once).
+    with kombu.Connection("amqp://guest:guest@127.0.0.1:5672//") as direct:
+        channel = direct.channel()
+        got: set[str] = set()
+        while (message := channel.basic_get(queue.name, no_ack=True)) is not None:
+            got.add(message.body.decode() if isinstance(message.body, bytes) else message.body)
+        channel.queue_delete(queue.name)
+    got = {g.strip('"') for g in got}
+    lost = set(confirmed) - got
+    assert not lost, f"{len(lost)} confirmed messages lost, e.g. {sorted(lost)[:5]}"
+    conn.release()
+    assert wait_until(lambda: not (set(drainer_threads()) - threads_before), 5), (
+        f"drainer threads left after release(): {set(drainer_threads()) - threads_before}"
+    )
+    assert wait_until(lambda: not _sockets_to(proxied_broker.port), 5), (
+        f"sockets to the broker left after release(): {_sockets_to(proxied_broker.port)}"
+    )
+
+
+def test_release_is_intentional_for_every_thread(proxied_broker: Any) -> None:
+    """After the user's release(), threads still on the connection are told it was closed
+    on purpose, so kombu does not reconnect for them."""
+    conn = kombu.Connection(
+        proxied_broker.url,
+        transport="drainer_amqp:Transport",
+        transport_options={"dedicated_drainer": True},
+    )
+    channel = conn.channel()
+    name = channel.queue_declare(queue="", exclusive=True).queue
+    channel.basic_consume(name, callback=lambda m: None)
+    outcome: list[BaseException] = []
+
+    def drain() -> None:
+        try:
+            conn.connection.drain_events(timeout=30)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            outcome.append(exc)
+
+    t = threading.Thread(target=drain, name="drainer-user")
+    t.start()
+    assert wait_until(lambda: conn.connection.drainer_stats()["running"], 5)
+    conn.release()
+    t.join(JOIN)
+    assert not t.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], ConnectionClosedIntentionally), outcome

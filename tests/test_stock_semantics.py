@@ -1,0 +1,273 @@
+"""Stock py-amqp and kombu behaviour that real programs rely on, in both modes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import amqp
+import kombu
+import pytest
+from amqp.exceptions import AMQPError, AMQPNotImplementedError
+from amqp.method_framing import frame_writer as amqp_frame_writer
+from kombu.transport import pyamqp
+from support.broker import BROKER_HOST, close_broker_connections, unique_name, wait_until
+
+import drainer_amqp
+from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
+
+MODES = ["legacy", "drainer"]
+
+
+def _local_port(conn: drainer_amqp.Connection) -> int:
+    return int(conn.sock.getsockname()[1])
+
+
+# -- closing what has already ended is a no-op -----------------------------------------------
+def _end_by_immediate(conn: drainer_amqp.Connection, channel: Any) -> None:
+    """RabbitMQ answers ``immediate=True`` with Connection.Close 540 NOT_IMPLEMENTED."""
+    channel.basic_publish(amqp.Message("x"), routing_key=unique_name(), immediate=True)
+    with pytest.raises(AMQPNotImplementedError):
+        # The error reaches whoever reads next: the drainer fans it out at once; in
+        # legacy mode this thread reads it.
+        while True:
+            try:
+                conn.drain_events(timeout=5)
+            except TimeoutError:
+                continue
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["immediate", "close_connection"])
+def test_close_after_the_connection_ended_is_quiet(mode: str, how: str, no_leaks: None) -> None:
+    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=(mode == "drainer"))
+    conn.connect()
+    channel = conn.channel()
+    if how == "immediate":
+        _end_by_immediate(conn, channel)
+    else:
+        close_broker_connections(_local_port(conn), "closed by test")
+        with pytest.raises(AMQPError):
+            while True:
+                try:
+                    conn.drain_events(timeout=5)
+                except TimeoutError:
+                    continue
+    # A finally: or a with block closes both: quietly, more than once.
+    channel.close()
+    channel.close()
+    conn.close()
+    conn.close()
+    assert not conn.connected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_blocks_exit_quietly_after_a_broker_close(mode: str, no_leaks: None) -> None:
+    seen: list[BaseException] = []
+    with drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=(mode == "drainer")) as conn:
+        with conn.channel() as channel:
+            try:
+                _end_by_immediate(conn, channel)
+            except BaseException as exc:  # noqa: BLE001 - recorded; the with blocks must not raise
+                seen.append(exc)
+    assert not seen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_after_a_reset_is_quiet(proxied_broker: Any, mode: str, no_leaks: None) -> None:
+    conn = drainer_amqp.Connection(
+        host=proxied_broker.hostport, dedicated_drainer=(mode == "drainer")
+    )
+    conn.connect()
+    channel = conn.channel()
+    proxied_broker.proxy.add_toxic(type="reset_peer", attributes={"timeout": 0})
+    with pytest.raises((ConnectionLost, OSError, AMQPError)):
+        for _ in range(50):
+            channel.queue_declare(unique_name(), auto_delete=True)
+    channel.close()
+    conn.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_collect_of_a_failed_connection_keeps_the_failure(mode: str, no_leaks: None) -> None:
+    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=(mode == "drainer"))
+    conn.connect()
+    channel = conn.channel()
+    close_broker_connections(_local_port(conn), "closed by test")
+    with pytest.raises(AMQPError):
+        while True:
+            try:
+                conn.drain_events(timeout=5)
+            except TimeoutError:
+                continue
+    conn.collect()  # what kombu's ensure() does after an error
+    with pytest.raises(AMQPError) as raised:
+        channel.basic_publish(amqp.Message("x"), routing_key="nowhere")
+    assert not isinstance(raised.value, ConnectionClosedIntentionally)
+    conn.close()  # the user's own close is intentional from here on
+    with pytest.raises(ConnectionClosedIntentionally):
+        channel.basic_publish(amqp.Message("x"), routing_key="nowhere")
+
+
+# -- deliveries sent before a cancel completed reach the consumer ---------------------------
+@pytest.fixture
+def kombu_conn(request: pytest.FixtureRequest) -> Iterator[kombu.Connection]:
+    mode = request.param
+    conn = kombu.Connection(
+        f"amqp://guest:guest@{BROKER_HOST}//",
+        transport="drainer_amqp:Transport",
+        transport_options={"dedicated_drainer": mode == "drainer"},
+    )
+    try:
+        yield conn
+    finally:
+        conn.release()
+
+
+@pytest.mark.parametrize("kombu_conn", MODES, indirect=True)
+@pytest.mark.parametrize("kind", ["plain", "priority"])
+def test_deliveries_before_a_cancel_reach_the_consumer(
+    kombu_conn: kombu.Connection, kind: str
+) -> None:
+    arguments = {"x-max-priority": 10} if kind == "priority" else None
+    queue = kombu.Queue(unique_name(), queue_arguments=arguments, auto_delete=False)
+    got: list[Any] = []
+    try:
+        with kombu_conn.Producer() as producer:
+            for i in range(3):
+                producer.publish({"n": i}, routing_key=queue.name, declare=[queue], priority=i)
+
+        def on_message(body: Any, message: Any) -> None:
+            got.append(body)
+            message.ack()
+
+        with kombu.Consumer(kombu_conn, [queue], callbacks=[on_message]):
+            kombu_conn.drain_events(timeout=1)
+        # The with block's exit cancelled the consumer: all three reached it.
+        expected = (
+            [{"n": 2}, {"n": 1}, {"n": 0}] if kind == "priority" else [{"n": i} for i in range(3)]
+        )
+        assert got == expected
+    finally:
+        queue.bind(kombu_conn.default_channel).delete()
+
+
+@pytest.mark.parametrize("kombu_conn", MODES, indirect=True)
+def test_deliveries_requeued_before_a_cancel_come_back(kombu_conn: kombu.Connection) -> None:
+    queue = kombu.Queue(unique_name(), auto_delete=False)
+    got: list[tuple[Any, bool]] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append((body, message.delivery_info["redelivered"]))
+        if not message.delivery_info["redelivered"]:
+            message.requeue()
+        else:
+            message.ack()
+
+    try:
+        with kombu_conn.Producer() as producer:
+            for i in range(3):
+                producer.publish({"n": i}, routing_key=queue.name, declare=[queue])
+        with kombu.Consumer(kombu_conn, [queue], callbacks=[on_message]):
+            kombu_conn.drain_events(timeout=1)
+        firsts = [b for b, redelivered in got if not redelivered]
+        assert firsts[:1] == [{"n": 0}]
+        with kombu.Consumer(kombu_conn, [queue], callbacks=[on_message]):
+            assert wait_until(
+                lambda: _drain_once(kombu_conn) or len({str(b) for b, r in got if r}) == 3, 10
+            )
+        assert sorted(str(b) for b, r in got if r) == sorted(str({"n": i}) for i in range(3))
+    finally:
+        queue.bind(kombu_conn.default_channel).delete()
+
+
+def _drain_once(conn: kombu.Connection) -> bool:
+    try:
+        conn.drain_events(timeout=0.2)
+    except TimeoutError:
+        pass
+    return False
+
+
+# -- kombu and py-amqp interfaces ------------------------------------------------------------
+def test_ssl_transport_is_kombus() -> None:
+    assert issubclass(drainer_amqp.SSLTransport, pyamqp.SSLTransport)
+    assert issubclass(drainer_amqp.Transport, pyamqp.Transport)
+    assert drainer_amqp.SSLTransport.default_port == pyamqp.SSLTransport.default_port
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_basic_publish_confirm_keeps_py_amqps_signature(
+    mode: str, connect: Callable[..., Any]
+) -> None:
+    conn = connect(mode)
+    channel = conn.channel()
+    queue = channel.queue_declare(unique_name(), exclusive=True).queue
+    # msg, exchange, routing_key, mandatory, immediate, timeout, confirm_timeout, argsig
+    result = channel.basic_publish_confirm(
+        amqp.Message("x"), "", queue, False, False, 5, 5, "Bssbb"
+    )
+    stock = amqp.Connection(host=BROKER_HOST)
+    stock.connect()
+    try:
+        stock_channel = stock.channel()
+        stock_result = stock_channel.basic_publish_confirm(
+            amqp.Message("x"), "", queue, False, False, 5, 5, "Bssbb"
+        )
+    finally:
+        stock.close()
+    assert type(result) is type(stock_result)
+    assert channel.queue_declare(queue, passive=True).message_count == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_callers_frame_writer_is_used(mode: str, connect: Callable[..., Any]) -> None:
+    written: list[int] = []
+
+    def counting_frame_writer(connection: Any, transport: Any) -> Callable[..., None]:
+        write = amqp_frame_writer(connection, transport)
+
+        def write_frame(type_: int, *args: Any) -> None:
+            written.append(type_)
+            write(type_, *args)
+
+        return write_frame
+
+    conn = connect(mode, frame_writer=counting_frame_writer)
+    channel = conn.channel()
+    queue = channel.queue_declare(unique_name(), exclusive=True).queue
+    before = len(written)
+    channel.basic_publish(amqp.Message("x"), routing_key=queue)
+    assert len(written) > before
+    assert wait_until(lambda: channel.queue_declare(queue, passive=True).message_count == 1, 5)
+
+
+# -- fork: a legacy connection inherited by a child -------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forked_child_gets_connection_lost_and_the_parent_keeps_its_link(
+    mode: str, connect: Callable[..., Any]
+) -> None:
+    conn = connect(mode)
+    channel = conn.channel()
+    queue = channel.queue_declare(unique_name(), exclusive=True).queue
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what a publish raised, never touch the parent's socket
+        code = 1
+        try:
+            channel.basic_publish(amqp.Message("from child"), routing_key=queue)
+        except ConnectionLost:
+            code = 0
+        except BaseException:  # noqa: BLE001 - any other outcome is a failure
+            code = 2
+        os.write(write_end, bytes([code]))
+        os._exit(0)
+    os.close(write_end)
+    try:
+        assert os.read(read_end, 1) == b"\0", "the child did not get ConnectionLost"
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    channel.basic_publish(amqp.Message("from parent"), routing_key=queue)
+    assert wait_until(lambda: channel.queue_declare(queue, passive=True).message_count == 1, 5)
