@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from time import monotonic
 from typing import Any
 
 import amqp
@@ -25,17 +26,22 @@ def _local_port(conn: drainer_amqp.Connection) -> int:
 
 
 # -- closing what has already ended is a no-op -----------------------------------------------
+def _drain_until(conn: drainer_amqp.Connection, error: type[BaseException]) -> None:
+    """Drain until the connection's end reaches this thread as ``error`` (within 30 s).
+    The drainer fans it out at once; in legacy mode this thread reads it."""
+    deadline = monotonic() + 30
+    with pytest.raises(error):
+        while monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=1)
+            except TimeoutError:
+                continue
+
+
 def _end_by_immediate(conn: drainer_amqp.Connection, channel: Any) -> None:
     """RabbitMQ answers ``immediate=True`` with Connection.Close 540 NOT_IMPLEMENTED."""
     channel.basic_publish(amqp.Message("x"), routing_key=unique_name(), immediate=True)
-    with pytest.raises(AMQPNotImplementedError):
-        # The error reaches whoever reads next: the drainer fans it out at once; in
-        # legacy mode this thread reads it.
-        while True:
-            try:
-                conn.drain_events(timeout=5)
-            except TimeoutError:
-                continue
+    _drain_until(conn, AMQPNotImplementedError)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -48,12 +54,7 @@ def test_close_after_the_connection_ended_is_quiet(mode: str, how: str, no_leaks
         _end_by_immediate(conn, channel)
     else:
         close_broker_connections(_local_port(conn), "closed by test")
-        with pytest.raises(AMQPError):
-            while True:
-                try:
-                    conn.drain_events(timeout=5)
-                except TimeoutError:
-                    continue
+        _drain_until(conn, AMQPError)
     # A finally: or a with block closes both: quietly, more than once.
     channel.close()
     channel.close()
@@ -95,12 +96,7 @@ def test_collect_of_a_failed_connection_keeps_the_failure(mode: str, no_leaks: N
     conn.connect()
     channel = conn.channel()
     close_broker_connections(_local_port(conn), "closed by test")
-    with pytest.raises(AMQPError):
-        while True:
-            try:
-                conn.drain_events(timeout=5)
-            except TimeoutError:
-                continue
+    _drain_until(conn, AMQPError)
     conn.collect()  # what kombu's ensure() does after an error
     with pytest.raises(AMQPError) as raised:
         channel.basic_publish(amqp.Message("x"), routing_key="nowhere")

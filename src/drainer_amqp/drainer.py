@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from .errors import ConnectionLost, HeartbeatTimeout
 from .framing import Frame, FrameAssembler
-from .sync import Awaitable
+from .sync import Awaitable, Signal
 
 __all__ = ["Drainer", "DrainerStats", "DrainerSink"]
 
@@ -78,9 +78,7 @@ class Drainer:
         self._tls = isinstance(sock, ssl.SSLSocket)
         self._assembler = FrameAssembler(frame_max)
         self._heartbeat = float(heartbeat or 0)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._wake = Signal()  # makes the select return: stop, or room in the inbox
         self._stopping = False  # set once by request_stop(), read by the thread
         self.stats = DrainerStats()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -91,10 +89,7 @@ class Drainer:
 
     def wake(self) -> None:
         """Make the thread's ``select`` return now (safe from any thread)."""
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:  # buffer full (a wake-up is pending anyway) or already closed
-            pass
+        self._wake.set()
 
     def request_stop(self) -> None:
         """Ask the thread to exit soon; do not wait (safe from any thread)."""
@@ -116,8 +111,7 @@ class Drainer:
     def close(self) -> None:
         """Release the wake-up pair: once the thread has ended, or from the thread itself
         as it exits (a later :meth:`wake` is then a no-op)."""
-        self._wake_r.close()
-        self._wake_w.close()
+        self._wake.close()
 
     def is_alive(self) -> bool:
         return self.thread.is_alive()
@@ -134,7 +128,7 @@ class Drainer:
         error: BaseException | None = None
         selector = selectors.DefaultSelector()
         try:
-            selector.register(self._wake_r, selectors.EVENT_READ)
+            selector.register(self._wake, selectors.EVENT_READ)
             self._loop(selector)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported to the owner
             error = exc
@@ -167,8 +161,8 @@ class Drainer:
             else:
                 readable = False
                 for key, _ in selector.select(timeout):
-                    if key.fileobj is self._wake_r:
-                        self._drain_wakeups()
+                    if key.fileobj is self._wake:
+                        self._wake.clear()
                     else:
                         readable = True
             if self._stopping:
@@ -190,13 +184,6 @@ class Drainer:
                         f"no frame from the broker for {now - last_recv:.1f}s "
                         f"(heartbeat {interval:g}s)"
                     )
-
-    def _drain_wakeups(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _read(self) -> bool:
         """Read what is available without blocking; dispatch complete frames."""
