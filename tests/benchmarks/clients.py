@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import amqpstorm
 import kombu
@@ -99,9 +100,9 @@ def open_client(name: str, threads: int, confirms: bool, routing_key: str, body:
                     channel.confirm_deliveries()
                 basic = channel.basic
                 client.publish.append(
-                    lambda b=basic: b.publish(body, routing_key=routing_key, exchange="")
+                    partial(basic.publish, body, routing_key=routing_key, exchange="")
                 )
-                client.sync.append(lambda b=basic: b.qos(0))
+                client.sync.append(partial(basic.qos, 0))
             return client
         per_thread = name == "stock per thread"
         conns = [kombu_connection(name, confirms) for _ in range(threads if per_thread else 1)]
@@ -110,8 +111,8 @@ def open_client(name: str, threads: int, confirms: bool, routing_key: str, body:
         for i in range(threads):
             channel = conns[i if per_thread else 0].channel()
             producer = Producer(channel, routing_key=routing_key)
-            publish: Callable[[], object] = lambda p=producer: p.publish(body, retry=False)  # noqa: E731
-            sync: Callable[[], object] = lambda c=channel: c.basic_qos(0, 0, False)  # noqa: E731
+            publish: Callable[[], object] = partial(producer.publish, body, retry=False)
+            sync: Callable[[], object] = partial(channel.basic_qos, 0, 0, False)
             if lock is not None:
                 publish, sync = _locked(lock, publish), _locked(lock, sync)
             client.publish.append(publish)
