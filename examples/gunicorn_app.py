@@ -10,6 +10,16 @@ drain timeout, so a request's publish may wait up to 1 s; in drainer mode
 (``DRAINER_MODE=drainer``, the default) the drainer thread reads the socket and
 publishes never wait behind the consumer.
 
+For comparison (the benchmarks use them), three more modes:
+
+* ``stock-lock``: a stock kombu connection (kombu's pyamqp transport) shared behind one
+  ``threading.RLock``, held around each publish (with its confirm wait) and around each
+  of the consumer's reads; the consumer reads for at most ``LOCKED_DRAIN_TIMEOUT`` at a
+  time, so a publish waits at most that long behind it;
+* ``amqpstorm``: one amqpstorm connection (its own IO thread), a channel per request
+  thread with ``confirm_deliveries()``, and a consumer thread in ``start_consuming()``;
+* ``none``: no AMQP at all; ``/publish`` only answers (the baseline).
+
 Run (from the repository root)::
 
     DRAINER_MODE=drainer AMQP_URL=amqp://guest:guest@127.0.0.1:5672// APP_QUEUE=demo \\
@@ -17,13 +27,14 @@ Run (from the repository root)::
 
 Environment:
 
-``DRAINER_MODE``  ``drainer`` (default) or ``legacy``.
+``DRAINER_MODE``  ``drainer`` (default), ``legacy``, ``stock-lock``, ``amqpstorm`` or ``none``.
 ``AMQP_URL``      broker URL (default ``amqp://guest:guest@127.0.0.1:5672//``).
 ``APP_QUEUE``     queue the requests publish to; declared on start, never deleted here.
 ``PRELOAD_CONNECT=1``  also connect at import time and declare the queue, so that with
                   ``--preload`` the gunicorn master has a live connection (and a running
-                  drainer thread) when it forks the workers. Workers never use the
-                  master's connection: each process connects for itself on first use.
+                  drainer thread) when it forks the workers (drainer and legacy modes).
+                  Workers never use the master's connection: each process connects for
+                  itself on first use.
 
 Endpoints: ``GET /publish`` (publish one message, ``200 published by <pid>``) and
 ``GET /health`` (connect if needed; JSON with the pid, the mode and the drainer's state).
@@ -32,12 +43,14 @@ Endpoints: ``GET /publish`` (publish one message, ``200 published by <pid>``) an
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 import kombu
 from kombu import Consumer, Producer, Queue
@@ -46,31 +59,38 @@ import drainer_amqp
 
 logger = logging.getLogger("gunicorn_app")
 
+MODES = ("drainer", "legacy", "stock-lock", "amqpstorm", "none")
 MODE = os.environ.get("DRAINER_MODE", "drainer")
-if MODE not in ("drainer", "legacy"):
-    raise ValueError(f"DRAINER_MODE must be 'drainer' or 'legacy', not {MODE!r}")
+if MODE not in MODES:
+    raise ValueError(f"DRAINER_MODE must be one of {MODES}, not {MODE!r}")
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 QUEUE = os.environ.get("APP_QUEUE", "gunicorn-example")
 DRAIN_TIMEOUT = 1.0  # the consumer thread's drain_events(timeout=...)
+LOCKED_DRAIN_TIMEOUT = 0.05  # stock-lock: the consumer's read under the lock
 HEARTBEAT = 10
 
 
 def connect(role: str) -> kombu.Connection:
-    """A kombu connection on drainer-amqp's transport, connected; the work queue declared.
+    """A kombu connection, connected, the work queue declared: on drainer-amqp's
+    transport, or kombu's stock one in ``stock-lock`` mode.
 
     Publishes are confirmed (``confirm_publish``): a request answers ``200`` only once the
     broker has the message. The connection is named after the process, so it can be
     found on the broker (``rabbitmqctl list_connections user_provided_name``)."""
-    conn = kombu.Connection(
-        AMQP_URL,
-        transport="drainer_amqp:Transport",
-        transport_options={
-            "dedicated_drainer": MODE == "drainer",
-            "confirm_publish": True,
-            "client_properties": {"connection_name": f"{QUEUE}:{role}:{os.getpid()}"},
-        },
-        heartbeat=HEARTBEAT,
-    )
+    options: dict[str, Any] = {
+        "confirm_publish": True,
+        "client_properties": {"connection_name": f"{QUEUE}:{role}:{os.getpid()}"},
+    }
+    if MODE == "stock-lock":
+        conn = kombu.Connection(AMQP_URL, transport_options=options, heartbeat=HEARTBEAT)
+    else:
+        options["dedicated_drainer"] = MODE == "drainer"
+        conn = kombu.Connection(
+            AMQP_URL,
+            transport="drainer_amqp:Transport",
+            transport_options=options,
+            heartbeat=HEARTBEAT,
+        )
     conn.ensure_connection(max_retries=3)
     channel = conn.channel()
     try:
@@ -88,11 +108,16 @@ class ProcessState:
     """This process's connection, its consumer thread and the request threads' producers.
 
     Created lazily by the first request of each process (so it is safe with gunicorn's
-    ``--preload``: nothing made before the fork is used after it)."""
+    ``--preload``: nothing made before the fork is used after it). In ``stock-lock``
+    mode ``self.lock`` serialises every use of the connection."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.conn = connect("worker")
+        self.lock: contextlib.AbstractContextManager[Any] = (
+            threading.RLock() if MODE == "stock-lock" else contextlib.nullcontext()
+        )
+        self.drain_timeout = LOCKED_DRAIN_TIMEOUT if MODE == "stock-lock" else DRAIN_TIMEOUT
         self.local = threading.local()
         self.stopping = threading.Event()
         self.events_received = 0
@@ -117,7 +142,8 @@ class ProcessState:
         conn = self.conn
         while not self.stopping.is_set():
             try:
-                conn.drain_events(timeout=DRAIN_TIMEOUT)
+                with self.lock:
+                    conn.drain_events(timeout=self.drain_timeout)
             except TimeoutError:
                 continue
             except drainer_amqp.ConnectionClosedIntentionally:
@@ -132,21 +158,24 @@ class ProcessState:
         """This request thread's producer, on a channel of its own."""
         producer = getattr(self.local, "producer", None)
         if producer is None:
-            producer = Producer(self.conn.channel())
+            with self.lock:
+                producer = Producer(self.conn.channel())
             self.local.producer = producer
         return producer
 
     def publish(self, body: str) -> None:
-        self.producer().publish(body, routing_key=QUEUE)
+        producer = self.producer()
+        with self.lock:
+            producer.publish(body, routing_key=QUEUE)
 
     def health(self) -> dict[str, Any]:
         raw = self.conn.connection
-        stats = raw.drainer_stats()
+        stats = raw.drainer_stats() if hasattr(raw, "drainer_stats") else {}
         return {
             "pid": self.pid,
             "mode": MODE,
             "connected": bool(raw.connected),
-            "drainer_running": bool(stats["running"]),
+            "drainer_running": bool(stats.get("running")),
             "consumer_alive": self.consumer_thread.is_alive(),
             "inherited_connected": inherited_connected(),
         }
@@ -155,15 +184,70 @@ class ProcessState:
         """Stop the consumer thread and close the connection (process exit)."""
         self.stopping.set()
         try:
-            self.conn.connection.close()  # wakes the consumer thread at once
+            with self.lock:  # stock-lock: never close under the consumer's read
+                self.conn.connection.close()  # wakes the consumer thread at once
         except Exception:  # noqa: BLE001 - best effort at exit
             logger.debug("close failed", exc_info=True)
         self.consumer_thread.join(DRAIN_TIMEOUT + 5)
         self.conn.release()
 
 
+class AmqpstormState:
+    """``amqpstorm`` mode: one amqpstorm connection per process, a confirming channel
+    per request thread, and a consumer thread in ``start_consuming()`` (the same
+    lifecycle as :class:`ProcessState`)."""
+
+    def __init__(self) -> None:
+        import amqpstorm
+
+        url = urlsplit(AMQP_URL)
+        self.pid = os.getpid()
+        self.conn = amqpstorm.Connection(
+            url.hostname or "127.0.0.1",
+            url.username or "guest",
+            url.password or "guest",
+            port=url.port or 5672,
+            heartbeat=HEARTBEAT,
+            client_properties={"connection_name": f"{QUEUE}:worker:{self.pid}"},
+        )
+        self.local = threading.local()
+        channel = self.conn.channel()
+        channel.queue.declare(QUEUE, durable=False, auto_delete=False)
+        events = f"{QUEUE}.events.{self.pid}"
+        channel.queue.declare(events, durable=False, exclusive=True, auto_delete=True)
+        channel.basic.consume(lambda message: message.ack(), events)
+        self._consumer_channel = channel
+        self.consumer_thread = threading.Thread(
+            target=channel.start_consuming, name=f"app-consumer-{self.pid}", daemon=True
+        )
+        self.consumer_thread.start()
+
+    def publish(self, body: str) -> None:
+        channel = getattr(self.local, "channel", None)
+        if channel is None:
+            channel = self.conn.channel()
+            channel.confirm_deliveries()
+            self.local.channel = channel
+        if not channel.basic.publish(body, routing_key=QUEUE):
+            raise RuntimeError("the broker did not confirm the message")
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "mode": MODE,
+            "connected": bool(self.conn.is_open),
+            "consumer_alive": self.consumer_thread.is_alive(),
+            "inherited_connected": inherited_connected(),
+        }
+
+    def close(self) -> None:
+        self._consumer_channel.stop_consuming()
+        self.consumer_thread.join(DRAIN_TIMEOUT + 5)
+        self.conn.close()
+
+
 _lock = threading.Lock()
-_state: ProcessState | None = None
+_state: ProcessState | AmqpstormState | None = None
 _preloaded: kombu.Connection | None = None  # the master's connection, PRELOAD_CONNECT=1
 
 
@@ -175,7 +259,7 @@ def _reinit_lock_in_child() -> None:
 os.register_at_fork(after_in_child=_reinit_lock_in_child)
 
 
-def state() -> ProcessState:
+def state() -> ProcessState | AmqpstormState:
     """This process's state, created on first use (never one inherited through fork)."""
     global _state
     current = _state
@@ -183,7 +267,7 @@ def state() -> ProcessState:
         return current
     with _lock:
         if _state is None or _state.pid != os.getpid():
-            _state = ProcessState()
+            _state = AmqpstormState() if MODE == "amqpstorm" else ProcessState()
         return _state
 
 
@@ -208,7 +292,7 @@ def _close_at_exit() -> None:
 
 
 _preload_pid = os.getpid()
-if os.environ.get("PRELOAD_CONNECT") == "1":
+if os.environ.get("PRELOAD_CONNECT") == "1" and MODE in ("drainer", "legacy"):
     _preloaded = connect("preload")
 
 
@@ -216,6 +300,11 @@ Response = tuple[str, list[tuple[str, str]], bytes]
 
 
 def _handle(path: str) -> Response:
+    if MODE == "none" and path == "/publish":  # the no-AMQP baseline
+        return "200 OK", [("Content-Type", "text/plain")], f"answered by {os.getpid()}\n".encode()
+    if MODE == "none" and path == "/health":
+        body = json.dumps({"pid": os.getpid(), "mode": MODE}).encode()
+        return "200 OK", [("Content-Type", "application/json")], body
     if path == "/publish":
         st = state()
         st.publish(f"{st.pid}:{threading.get_ident()}")
