@@ -43,8 +43,8 @@ from benchmarks.report import Collector, Section, Target, fmt_ms, fmt_ratio, per
 pytestmark = pytest.mark.benchmark
 
 THREADS = (10, 100)
-ROUNDS = 2 if QUICK else 3
-WINDOW = 1.0 if QUICK else 2.5  # seconds of publishing per run
+ROUNDS = 1 if QUICK else 3
+WINDOW = 0.6 if QUICK else 2.5  # seconds of publishing per run
 BODY = b"x" * 64
 BATCH = 64  # messages per sendall in the ceiling
 TARGET_10 = 1.3  # drainer / legacy, no confirms, 10 threads

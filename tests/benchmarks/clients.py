@@ -35,6 +35,7 @@ CLIENT_COLORS = {
     "stock+lock": "#ff7f0e",
     "stock per thread": "#9467bd",
     "amqpstorm": "#2ca02c",
+    "stock": "#ff7f0e",
     "no AMQP": "#7f7f7f",
 }
 

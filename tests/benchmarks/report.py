@@ -194,7 +194,8 @@ class Collector:
         finished = datetime.now(timezone.utc)
         mode = "quick (DRAINER_BENCH_QUICK=1)" if self.quick else "full"
         lines = [
-            "# drainer-amqp benchmarks: legacy vs dedicated drainer",
+            "# drainer-amqp benchmarks: the dedicated drainer against legacy mode, stock "
+            "kombu/py-amqp and amqpstorm",
             "",
             f"- Date: {finished:%Y-%m-%d %H:%M} UTC "
             f"(session {(finished - self.started).total_seconds():.0f} s)",
@@ -205,7 +206,8 @@ class Collector:
             "- Caveat: one local run on a shared machine (the broker runs on the same cores); "
             "figures are indicative. Ratios between the two modes are measured in the same "
             "run, in interleaved rounds (legacy and drainer alternate, ABBA order), so they "
-            "matter more than absolute figures.",
+            "matter more than absolute figures. Benchmarks A-E compare every client in the same "
+            "run, the client order reversed from one round to the next.",
             "",
         ]
         for section in sorted(self.sections.values(), key=lambda x: x.title):
@@ -247,6 +249,11 @@ def _plots(sections: dict[str, Section], out: Path) -> dict[str, list[str]]:
         "publish_latency": _plot_publish_latency,
         "throughput": _plot_throughput,
         "recovery_latency": _plot_recovery,
+        "clients_throughput": _plot_clients_throughput,
+        "call_cost": _plot_call_cost,
+        "gunicorn": _plot_gunicorn,
+        "idle_connections": _plot_idle,
+        "undrained": _plot_undrained,
     }
     for key, maker in makers.items():
         if key in sections:
@@ -394,3 +401,161 @@ def _plot_recovery(raw: dict[str, Any], out: Path) -> str | None:
     fig.savefig(out / name, dpi=110)
     plt.close(fig)
     return name
+
+
+# -- plots of the comparison benchmarks (A-E): one colour per client ----------------------
+def _color(client: str) -> str:
+    from benchmarks.clients import CLIENT_COLORS
+
+    for name, color in CLIENT_COLORS.items():
+        if client.startswith(name):
+            return color
+    return "#8c564b"
+
+
+def _save(fig: Any, out: Path, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def _plot_clients_throughput(raw: dict[str, Any], out: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    results = raw.get("results", [])
+    if not results:
+        return None
+    clients = list(dict.fromkeys(r["client"] for r in results))
+    configs = list(dict.fromkeys((r["threads"], r["confirms"]) for r in results))
+    fig, (ax_rate, ax_p99) = plt.subplots(1, 2, figsize=(14, 5))
+    width = 0.8 / len(clients)
+    for i, client in enumerate(clients):
+        xs = [j + (i - (len(clients) - 1) / 2) * width for j in range(len(configs))]
+        by = {(r["threads"], r["confirms"]): r for r in results if r["client"] == client}
+        rates = [by[c]["msg_s"] if c in by else 0.0 for c in configs]
+        p99 = [by[c]["p99_s"] * 1000.0 if c in by else 0.0 for c in configs]
+        ax_rate.bar(xs, rates, width, color=_color(client), label=client)
+        ax_p99.bar(xs, p99, width, color=_color(client), label=client)
+    labels = [f"{t} thr, {'confirms' if c else 'no confirms'}" for t, c in configs]
+    for ax in (ax_rate, ax_p99):
+        ax.set_xticks(range(len(configs)), labels, fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    ceiling = raw.get("ceiling_msg_s")
+    ax_rate.set_yscale("log")
+    if ceiling:
+        ax_rate.axhline(ceiling, color="gray", linestyle="--", label="raw-socket ceiling")
+    ax_rate.set_ylabel("messages per second (log scale)")
+    ax_rate.set_title("Throughput (median of rounds)")
+    ax_rate.legend(fontsize=8)
+    ax_p99.set_yscale("log")
+    ax_p99.set_ylabel("P99 publish call (ms, log scale)")
+    ax_p99.set_title("P99 publish latency (with confirms: confirm latency)")
+    fig.suptitle("A. Producer.publish throughput by client, 64-byte bodies")
+    return _save(fig, out, "clients_throughput.png")
+
+
+def _plot_call_cost(raw: dict[str, Any], out: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    med = raw.get("median_s", {})
+    if not med:
+        return None
+    names = list(med)
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    values = [med[n] * 1e6 for n in names]
+    bars = ax.barh(names, values, color=[_color(n) for n in names])
+    ax.bar_label(bars, labels=[f"{v:.1f} µs" for v in values], fontsize=8)
+    ax.axvline(8, color="gray", linestyle=":", label="basic_publish target 8 µs")
+    ax.axvline(30, color="gray", linestyle="--", label="Producer.publish target 30 µs")
+    ax.invert_yaxis()
+    ax.set_xlabel("µs per call, one thread (median of runs)")
+    ax.set_title("B. One-thread cost per publish call")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, out, "call_cost.png")
+
+
+def _plot_gunicorn(raw: dict[str, Any], out: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    results = raw.get("results", [])
+    if not results:
+        return None
+    names = [r["client"] for r in results]
+    fig, (ax_rate, ax_lat) = plt.subplots(1, 2, figsize=(13, 4.8))
+    bars = ax_rate.bar(names, [r["req_s"] for r in results], color=[_color(n) for n in names])
+    ax_rate.bar_label(
+        bars,
+        labels=[f"{r['req_s']:,.0f}\n({fmt_ratio(r['vs_no_amqp'])})" for r in results],
+        fontsize=8,
+    )
+    ax_rate.set_ylim(0, ax_rate.get_ylim()[1] * 1.15)
+    ax_rate.set_ylabel("requests per second (ratio to no AMQP)")
+    ax_rate.set_title("Throughput")
+    width = 0.27
+    for k, q in enumerate(("p50", "p95", "p99")):
+        xs = [j + (k - 1) * width for j in range(len(names))]
+        ax_lat.bar(
+            xs,
+            [r[q] * 1000.0 for r in results],
+            width,
+            color=[_color(n) for n in names],
+            alpha=(0.45, 0.7, 1.0)[k],
+            label=q.upper(),
+        )
+    ax_lat.set_xticks(range(len(names)), names)
+    ax_lat.set_yscale("log")
+    ax_lat.set_ylabel("request latency (ms, log scale)")
+    ax_lat.set_title("P50 / P95 / P99 (light to dark)")
+    ax_lat.legend(fontsize=8)
+    for ax in (ax_rate, ax_lat):
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("C. gunicorn gthread 1x16, one confirmed publish per request")
+    return _save(fig, out, "gunicorn.png")
+
+
+def _plot_idle(raw: dict[str, Any], out: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    results = raw.get("results", [])
+    if not results:
+        return None
+    names = [r["mode"] for r in results]
+    colors = [_color(n) for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    for ax, key, label in zip(
+        axes,
+        ("threads_per_conn", "fds_per_conn", "rss_per_conn"),
+        ("threads per connection", "file descriptors per connection", "RSS per connection (KiB)"),
+        strict=True,
+    ):
+        values = [r[key] / (1024.0 if key == "rss_per_conn" else 1.0) for r in results]
+        bars = ax.bar(names, values, color=colors)
+        ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=8)
+        ax.set_title(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"D. {raw.get('count')} idle connections in one process")
+    return _save(fig, out, "idle_connections.png")
+
+
+def _plot_undrained(raw: dict[str, Any], out: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    results = raw.get("results", [])
+    if not results:
+        return None
+    names = [r["mode"] for r in results]
+    growth = [(r["rss_after"] - r["rss_before"]) / 2**20 for r in results]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bars = ax.bar(names, growth, color=[_color(n) for n in names])
+    ax.bar_label(bars, labels=[f"{g:.1f} MiB" for g in growth], fontsize=8)
+    payload = raw.get("count", 0) * raw.get("body_bytes", 0) / 2**20
+    ax.axhline(payload, color="gray", linestyle="--", label=f"bodies published: {payload:.0f} MiB")
+    ax.set_ylabel("RSS growth of the consuming process (MiB)")
+    ax.set_title(f"E. {raw.get('count', 0):,} deliveries nobody drains")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, out, "undrained.png")
