@@ -49,7 +49,7 @@ from test_gunicorn import Gunicorn, health_by_pid
 from benchmarks import QUICK
 from benchmarks.report import Collector, Section, Target, fmt_ms, fmt_ratio, percentile, ratio
 
-DURATION = 3 if QUICK else 12  # seconds of load per mode and round
+DURATION = 2 if QUICK else 12  # seconds of load per mode and round
 ROUNDS = int(os.environ.get("DRAINER_BENCH_GUNICORN_ROUNDS", "1"))
 CONCURRENCY = 20
 WORKERS, THREADS = 1, 16
