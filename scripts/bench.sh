@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create the environment and run the benchmarks, legacy vs drainer (the README's first
-# command). Full mode by default; DRAINER_BENCH_QUICK=1 for the short CI variant.
+# Create the environment and run the benchmarks (the README's first command): the
+# drainer against legacy mode, and (benchmarks A-E) against stock kombu/py-amqp and
+# amqpstorm in the same run. Full mode by default (about 10 minutes);
+# DRAINER_BENCH_QUICK=1 for the short CI variant.
 # Prints each benchmark's table and writes bench-results/report.md, results.json and
 # the PNG plots. Extra arguments go to pytest (e.g. -k reset_peer).
 set -euo pipefail
