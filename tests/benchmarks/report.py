@@ -216,14 +216,72 @@ class Collector:
                 lines += ["", f"![{section.title}]({name})"]
             lines.append("")
         (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
+        benchmarks = {k: _jsonable(asdict(s)) for k, s in self.sections.items()}
         payload = {
             "date": finished.isoformat(),
             "quick": self.quick,
             "machine": info,
-            "benchmarks": {k: _jsonable(asdict(s)) for k, s in self.sections.items()},
+            "benchmarks": benchmarks,
         }
         (out / "results.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
+        headline = headline_markdown(benchmarks)
+        if headline:
+            (out / "headline.md").write_text(headline, encoding="utf-8")
         return out
+
+
+def headline_markdown(benchmarks: dict[str, Any]) -> str:
+    """README-style headline tables (the drainer against each baseline, with ratios) from
+    results.json's ``benchmarks`` (or the sections as dicts); empty if A-C did not run."""
+
+    def f(v: float | None, spec: str = ",.0f") -> str:
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+    parts: list[str] = []
+    a = benchmarks.get("clients_throughput", {}).get("raw", {}).get("results", [])
+    if a:
+        clients = list(dict.fromkeys(r["client"] for r in a))
+        others = [c for c in clients if c != "drainer"]
+        by = {(r["client"], r["threads"], r["confirms"]): r for r in a}
+        rows = []
+        for threads, confirms in dict.fromkeys((r["threads"], r["confirms"]) for r in a):
+            dr = by[("drainer", threads, confirms)]["msg_s"]
+            row = [f"{threads} threads, {'confirms' if confirms else 'no confirms'}", f(dr)]
+            for c in others:
+                v = by[(c, threads, confirms)]["msg_s"]
+                row.append(f"{f(v)} ({fmt_ratio(ratio(dr, v))})")
+            rows.append(row)
+        parts += [
+            "Publish throughput, msg/s through Producer.publish, 64-byte bodies "
+            "(in brackets: drainer / that client):",
+            "",
+            format_table(["threads, confirms", "drainer", *others], rows),
+            "",
+        ]
+    b = benchmarks.get("call_cost", {}).get("raw", {}).get("median_s", {})
+    if b:
+        rows = [[name, f"{v * 1e6:.1f}"] for name, v in b.items()]
+        parts += ["One thread, µs per call (no confirms):", "", format_table(["call", "µs"], rows)]
+        parts.append("")
+    c = benchmarks.get("gunicorn", {}).get("raw", {}).get("results", [])
+    if c:
+        rows = [
+            [
+                r["client"],
+                f(r["req_s"]),
+                fmt_ratio(r["vs_no_amqp"]),
+                fmt_ms(r["p50"]),
+                fmt_ms(r["p99"]),
+            ]
+            for r in c
+        ]
+        parts += [
+            "gunicorn gthread, 1 worker x 16 threads, one confirmed publish per request:",
+            "",
+            format_table(["app", "req/s", "vs no AMQP", "P50", "P99"], rows),
+            "",
+        ]
+    return "\n".join(parts)
 
 
 def _jsonable(value: Any) -> Any:
