@@ -56,6 +56,7 @@ class Writer:
         self._room = threading.Condition(self._mutex)
         self._pending: list[bytes | memoryview] = []
         self._pending_bytes = 0
+        self._sleepers = 0  # threads in _room.wait: notify only when someone listens
         self._appended = 0  # messages appended so far
         self._written = 0  # messages handed to the socket so far
         self._flushing = False
@@ -71,7 +72,7 @@ class Writer:
         with self._mutex:
             self._error = error
             self._pending.clear()
-            self._room.notify_all()
+            self._notify()
 
     def send(
         self,
@@ -121,19 +122,21 @@ class Writer:
         remaining = None if deadline is None else deadline - monotonic()
         if remaining is not None and remaining <= 0:
             raise TimeoutError(message)
-        self._room.wait(remaining)
+        self._sleepers += 1
+        try:
+            self._room.wait(remaining)
+        finally:
+            self._sleepers -= 1
+
+    def _notify(self) -> None:
+        if self._sleepers:
+            self._room.notify_all()
 
     def _flush(self) -> None:
-        while True:
-            with self._mutex:
-                batch, self._pending = self._pending, []
-                self._pending_bytes = 0
-                last = self._appended
-                if not batch or self._error is not None:
-                    self._flushing = False
-                    self._room.notify_all()
-                    return
-                self._room.notify_all()
+        """Write batches until nothing is pending; the flusher's thread only."""
+        with self._mutex:
+            batch, last = self._take()
+        while batch:
             payload = batch[0] if len(batch) == 1 else b"".join(batch)
             try:
                 with self.io_lock:
@@ -141,9 +144,19 @@ class Writer:
             except OSError as exc:
                 with self._mutex:
                     self._flushing = False
-                    self._room.notify_all()
+                    self._notify()
                 raise self._on_error(exc) from exc
             self.bytes_written += len(payload)
             with self._mutex:
                 self._written = last
-                self._room.notify_all()
+                batch, last = self._take()
+                self._notify()
+
+    def _take(self) -> tuple[list[bytes | memoryview], int]:
+        """Under the mutex: the next batch (empty: the flusher's turn ends)."""
+        batch, self._pending = self._pending, []
+        self._pending_bytes = 0
+        if not batch or self._error is not None:
+            self._flushing = False
+            return [], self._appended
+        return batch, self._appended
