@@ -13,3 +13,5 @@ python3 -m venv .venv
 .venv/bin/python -m pytest -q "$@"
 DRAINER_BENCH_QUICK=1 .venv/bin/python -m pytest -q tests/benchmarks -m benchmark \
     -o python_files='test_*.py bench_*.py'
+# py-amqp's and kombu's own integration suites, stock and with the drainer injected.
+bash scripts/peer-suites.sh

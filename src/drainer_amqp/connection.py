@@ -215,8 +215,14 @@ class Connection(amqp.Connection):
 
     @property
     def connected(self) -> bool:  # type: ignore[override]
+        """As stock py-amqp: true from the handshake until ``collect()``/``close()``. A
+        connection that *failed* still says so, so kombu keeps handing it out and the
+        caller's next call raises the failure (and kombu's ``ensure()`` revives its
+        consumers), instead of kombu swapping it silently under them."""
         transport = self._transport
-        return bool(transport and transport.connected and self.reason is None)
+        if transport is None or isinstance(self.reason, ConnectionClosedIntentionally):
+            return False
+        return bool(transport.connected or self.reason is not None)
 
     # -- the interface channels use ------------------------------------------------------
     def raise_if_ended(self) -> None:

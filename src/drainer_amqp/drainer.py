@@ -36,6 +36,8 @@ from .sync import Awaitable, Signal
 __all__ = ["Drainer", "DrainerStats", "DrainerSink"]
 
 READ_SIZE = 256 * 1024
+#: How often an idle drainer checks that its socket still exists (seconds).
+CHECK_CLOSED = 2.0
 
 
 class DrainerSink(Protocol):
@@ -119,6 +121,8 @@ class Drainer:
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         """The :class:`~drainer_amqp.reading.Reader` seam: this thread reads, so a caller
         only sleeps until ``awaitable`` is ready; ``TimeoutError`` at ``deadline``."""
+        if self._sock.fileno() == -1 and self.is_alive():
+            self.wake()  # someone closed the socket under us: the thread reports it
         timeout = None if deadline is None else deadline - monotonic()
         if not awaitable.wait(timeout):
             raise TimeoutError()
@@ -152,10 +156,12 @@ class Drainer:
                 watching = not paused
             if paused:
                 last_recv = monotonic()  # the silence is ours, not the broker's
-            timeout = None
+            # A socket closed by someone else vanishes from the selector without an
+            # event, so an idle drainer also looks at it every CHECK_CLOSED seconds.
+            timeout = CHECK_CLOSED
             if interval:
                 due = min(last_sent + interval / 2, last_recv + 2 * interval)
-                timeout = max(0.0, due - monotonic())
+                timeout = min(timeout, max(0.0, due - monotonic()))
             if not paused and self._tls and self._sock.pending():  # type: ignore[attr-defined]
                 readable = True  # decrypted bytes that select cannot see
             else:
@@ -167,6 +173,8 @@ class Drainer:
                         readable = True
             if self._stopping:
                 return
+            if self._sock.fileno() == -1:
+                raise ConnectionLost("the socket was closed under the drainer")
             now = monotonic()
             if readable and self._read():
                 last_recv = now

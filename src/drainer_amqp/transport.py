@@ -54,7 +54,7 @@ class Transport(pyamqp.Transport):
             lock = _reconnect_locks.setdefault(client, threading.Lock())
         with lock:
             current = _live.get(client)
-            if current is not None and current.connected:
+            if current is not None and current.reason is None and current.connected:
                 return current  # another thread of this kombu.Connection reconnected first
             connection: DrainerConnection = super().establish_connection()
             with _live_lock:
