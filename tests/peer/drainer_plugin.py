@@ -23,7 +23,7 @@ _started = 0
 _lock = threading.Lock()  # guards _started
 
 
-def _forced_drainer_class() -> type:
+def _forced_drainer_class() -> Any:
     import drainer_amqp
 
     class ForcedDrainerConnection(drainer_amqp.Connection):
