@@ -215,14 +215,10 @@ class Connection(amqp.Connection):
 
     @property
     def connected(self) -> bool:  # type: ignore[override]
-        """As stock py-amqp: true from the handshake until ``collect()``/``close()``. A
-        connection that *failed* still says so, so kombu keeps handing it out and the
-        caller's next call raises the failure (and kombu's ``ensure()`` revives its
-        consumers), instead of kombu swapping it silently under them."""
+        """False as soon as the connection ended (a failure is noticed at once, so kombu's
+        pools replace a dead connection before the next use)."""
         transport = self._transport
-        if transport is None or isinstance(self.reason, ConnectionClosedIntentionally):
-            return False
-        return bool(transport.connected or self.reason is not None)
+        return bool(transport and transport.connected and self.reason is None)
 
     # -- the interface channels use ------------------------------------------------------
     def raise_if_ended(self) -> None:
