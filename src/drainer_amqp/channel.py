@@ -36,7 +36,10 @@ from .waits import Confirms
 if TYPE_CHECKING:
     from .connection import Connection
 
-__all__ = ["Channel"]
+__all__ = ["CLOSE_TIMEOUT", "Channel"]
+
+#: Bound on waiting for ``Channel.CloseOk``, and the connection close()'s one deadline.
+CLOSE_TIMEOUT = 5.0
 
 _ACK, _NACK = spec.Basic.Ack, spec.Basic.Nack
 #: Methods whose listeners are user code, run from the inbox; each is keyed by its
@@ -150,10 +153,13 @@ class Channel(pyamqp.Channel):
             self._raise_channel_error(conn, self._close_error)
         if not wait:
             return super().send_method(sig, format, args, content, None, callback)
+        # Channel.Close is bounded like the connection's close(): a broker that stopped
+        # reading (blocked) must not hang kombu's release().
+        timeout = CLOSE_TIMEOUT if sig == spec.Channel.Close else None
         waiter = self._expect(conn, wait)
         try:
             super().send_method(sig, format, args, content, None, callback)
-            return self._finish_wait(waiter, conn, None, None, returns_tuple)
+            return self._finish_wait(waiter, conn, None, timeout, returns_tuple)
         finally:
             self._forget(conn, waiter)
 

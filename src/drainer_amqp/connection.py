@@ -54,7 +54,7 @@ from amqp import spec
 from amqp.abstract_channel import AbstractChannel
 from amqp.exceptions import AMQPError, RecoverableConnectionError
 
-from .channel import Channel
+from .channel import CLOSE_TIMEOUT, Channel
 from .drainer import Drainer
 from .errors import ConnectionBlocked, ConnectionClosedIntentionally, ConnectionLost
 from .framing import Frame
@@ -67,8 +67,8 @@ __all__ = ["CLOSE_TIMEOUT", "Connection"]
 
 logger = logging.getLogger(__name__)
 
-#: One deadline for all of ``close()``: CloseOk, the drainer's join and the lock.
-CLOSE_TIMEOUT = 5.0
+# CLOSE_TIMEOUT (from .channel): one deadline for all of close(): CloseOk, the drainer's
+# join and the lock.
 #: How long a publish waits while the broker has blocked the connection.
 BLOCKED_TIMEOUT = 10.0
 #: How many callbacks may wait for ``drain_events()`` before the drainer stops reading
@@ -126,6 +126,7 @@ class Connection(amqp.Connection):
         self.reader: Reader = LockReader(self)
         self.writer: Writer | None = None
         self._drainer: Drainer | None = None
+        self._closed_ok: Waiter | None = None  # set by close() while it waits for CloseOk
         self._lock_held = 0.0  # seconds the drainer held the transport lock (stats)
         self._init_locks()
         super().__init__(*args, **kwargs)
@@ -354,8 +355,6 @@ class Connection(amqp.Connection):
             self._release(deadline)
         finally:
             self._close_lock.release()
-
-    _closed_ok: Waiter | None = None
 
     def _on_close_ok(self) -> None:
         # CloseOk from the broker (or ours sent after the broker's Close): the socket is
