@@ -611,9 +611,10 @@ def test_broker_closing_idle_pooled_connection_is_noticed_and_replaced(
             assert conn.connected
 
             assert close_broker_connections(port, "closed by test_celery") == 1
-            # noticed while idle in the pool, before anyone publishes again
+            # noticed while idle in the pool, before anyone publishes again: the drainer
+            # ends and releases its socket; the next publish is told and retries
             assert wait_until(
-                lambda: not conn.connected and not conn.drainer_stats()["running"], 10
+                lambda: conn.reason is not None and not conn.drainer_stats()["running"], 10
             )
 
             add.apply_async((2, 2))
@@ -623,8 +624,7 @@ def test_broker_closing_idle_pooled_connection_is_noticed_and_replaced(
             assert fresh.connected and fresh.drainer_stats()["running"] is True
             assert _local_port(fresh) != port
             assert _queue_depth(broker_url, queue) == 2
-            # kombu replaced the dead connection without collect()ing it: the drainer
-            # released its socket and wake-up pair itself when the link failed, which
-            # the no_leaks fixture checks.
+            # The drainer released its socket and wake-up pair itself when the link
+            # failed, which the no_leaks fixture checks.
     finally:
         _delete_broker_objects(broker_url, [queue], [queue])

@@ -152,7 +152,7 @@ def reset_link(proxied: ProxiedBroker, raw: drainer_amqp.Connection) -> None:
     until the drainer has seen it, so the next call meets a failed connection."""
     proxied.proxy.disable()
     try:
-        assert wait_until(lambda: not raw.connected, WAIT), "the drainer did not see the reset"
+        assert wait_until(lambda: raw.reason is not None, WAIT), "the drainer did not see the reset"
     finally:
         proxied.proxy.enable()
 
@@ -520,7 +520,7 @@ def _check_failover(
     producer.publish("via the first", routing_key=queue, retry=True, retry_policy=policy)
 
     first.proxy.disable()  # stays disabled: the first URL is gone for good
-    assert wait_until(lambda: not raw1.connected, WAIT)
+    assert wait_until(lambda: raw1.reason is not None, WAIT)
     producer.publish("via the second", routing_key=queue, retry=True, retry_policy=policy)
 
     raw2 = conn.connection

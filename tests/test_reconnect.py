@@ -9,7 +9,9 @@ is left running.
 from __future__ import annotations
 
 import random
+import sys
 import threading
+import traceback
 from collections import Counter
 from typing import Any
 
@@ -28,6 +30,15 @@ RETRY_POLICY = {
     "interval_step": 0.1,
     "interval_max": 0.5,
 }
+
+
+def _stacks(threads: list[threading.Thread]) -> str:
+    frames = sys._current_frames()
+    return "\n".join(
+        f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
+        for t in threads
+        if t.is_alive() and t.ident in frames
+    )
 
 
 def _sockets_to(port: int) -> list[Any]:
@@ -54,7 +65,9 @@ def test_eight_threads_one_connection_repeated_resets(proxied_broker: Any, api: 
     lock = threading.Lock()  # guards confirmed and raised
 
     def publisher(n: int) -> None:
-        producer = kombu.Producer(conn.channel())
+        # A producer on a channel of its own, for autoretry; the others use the default
+        # channel, where kombu's retry revives them (see the failover test below).
+        producer = kombu.Producer(conn.channel() if api == "autoretry" else conn)
         publish: Any = producer.publish
         if api == "ensure":
             publish = conn.ensure(producer, producer.publish, **RETRY_POLICY)
@@ -157,3 +170,90 @@ def test_release_is_intentional_for_every_thread(proxied_broker: Any) -> None:
     t.join(JOIN)
     assert not t.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], ConnectionClosedIntentionally), outcome
+
+
+def test_failover_to_the_next_url_keeps_every_thread_retrying(toxiproxy: Any) -> None:
+    """kombu's failover (``Connection.switch()``) closes the failed connection; threads
+    still on it must get a recoverable error and follow to the next URL, not be told the
+    connection was closed on purpose."""
+    proxies = []
+    for _ in range(2):
+        proxy = toxiproxy.create(
+            upstream="127.0.0.1:5672", name=unique_name("failover"), listen="127.0.0.1:0"
+        )
+        proxies.append(proxy)
+    ports = [int(p.listen.rsplit(":", 1)[1]) for p in proxies]
+    # The scheme names the transport: kombu's switch() takes it from the next URL.
+    urls = ";".join(f"drainer-amqp://guest:guest@127.0.0.1:{port}//" for port in ports)
+    queue = kombu.Queue(unique_name(), auto_delete=False)
+    conn = kombu.Connection(
+        urls,
+        transport_options={"dedicated_drainer": True, "confirm_publish": True},
+    )
+    threads_before = set(drainer_threads())
+    queue.bind(conn.default_channel).declare()
+    stop = threading.Event()
+    confirmed: list[str] = []
+    raised: Counter[str] = Counter()
+    first: dict[str, str] = {}  # the first traceback of each type raised
+    lock = threading.Lock()  # guards confirmed and raised
+
+    def publisher(n: int) -> None:
+        # kombu's retry revives a producer on the connection's default channel; one made
+        # on a channel of its own loses it to another thread's collect() (channel.connection
+        # becomes None and Producer.connection raises AttributeError), as with stock kombu.
+        producer = kombu.Producer(conn)
+        i = 0
+        while not stop.is_set():
+            body = f"{n}-{i}"
+            i += 1
+            try:
+                producer.publish(
+                    body, routing_key=queue.name, retry=True, retry_policy=RETRY_POLICY
+                )
+            except Exception as exc:  # noqa: BLE001 - counted by type, asserted below
+                with lock:
+                    if not raised[type(exc).__name__]:
+                        first[type(exc).__name__] = "".join(traceback.format_exception(exc))
+                    raised[type(exc).__name__] += 1
+                continue
+            with lock:
+                confirmed.append(body)
+
+    def progressed() -> bool:
+        start = len(confirmed)
+        return wait_until(lambda: len(confirmed) > start + 20, 30)
+
+    workers = [
+        threading.Thread(target=publisher, args=(n,), name=f"publisher-{n}") for n in range(THREADS)
+    ]
+    try:
+        for w in workers:
+            w.start()
+        assert progressed(), f"no progress; raised so far: {raised}"
+        for down, up in ((0, 1), (1, 0)):
+            proxies[up].enable()
+            proxies[down].disable()  # closes the live link and refuses new ones
+            assert progressed(), f"no progress after losing {ports[down]}; raised: {raised} {first}"
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(JOIN)
+    assert not any(w.is_alive() for w in workers), f"a publisher hung: {_stacks(workers)}"
+    assert "ConnectionClosedIntentionally" not in raised, raised
+    with kombu.Connection("amqp://guest:guest@127.0.0.1:5672//") as direct:
+        channel = direct.channel()
+        got: set[str] = set()
+        while (message := channel.basic_get(queue.name, no_ack=True)) is not None:
+            body = message.body.decode() if isinstance(message.body, bytes) else message.body
+            got.add(body.strip('"'))
+        channel.queue_delete(queue.name)
+    lost = set(confirmed) - got
+    assert not lost, f"{len(lost)} confirmed messages lost, e.g. {sorted(lost)[:5]}"
+    conn.release()
+    assert wait_until(lambda: not (set(drainer_threads()) - threads_before), 5), (
+        f"drainer threads left after release(): {set(drainer_threads()) - threads_before}"
+    )
+    assert wait_until(lambda: not any(_sockets_to(port) for port in ports), 5), [
+        _sockets_to(port) for port in ports
+    ]

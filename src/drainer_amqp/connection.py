@@ -121,6 +121,7 @@ class Connection(amqp.Connection):
         self.dedicated_drainer = dedicated_drainer
         self.blocked_timeout = float(blocked_timeout)
         self.reason: BaseException | None = None  # why it ended; written once by end()
+        self._told = False  # a caller was raised the reason (see connected); set once
         self.waiters = Waiters()
         self.inbox = Inbox(inbox_limit if dedicated_drainer else 0, self._on_inbox_room)
         self.reader: Reader = LockReader(self)
@@ -216,10 +217,16 @@ class Connection(amqp.Connection):
 
     @property
     def connected(self) -> bool:  # type: ignore[override]
-        """False as soon as the connection ended (a failure is noticed at once, so kombu's
-        pools replace a dead connection before the next use)."""
+        """As py-amqp's: a failed connection reads as connected until a thread has been
+        told of the failure (the next call raises it, so kombu's ``ensure()`` can revive
+        its consumers instead of reconnecting silently); False after ``close()``,
+        ``collect()`` or a fork."""
         transport = self._transport
-        return bool(transport and transport.connected and self.reason is None)
+        if transport is None:
+            return False
+        if self.reason is None:
+            return bool(transport.connected)
+        return not self._told and not isinstance(self.reason, ConnectionClosedIntentionally)
 
     # -- the interface channels use ------------------------------------------------------
     def raise_if_ended(self) -> None:
@@ -233,6 +240,7 @@ class Connection(amqp.Connection):
         reason = self.reason
         if reason is None:
             return RecoverableConnectionError("connection already closed")
+        self._told = True
         error = copy.copy(reason)
         error.__cause__ = reason.__cause__
         error.drainer_connection = weakref.ref(self)  # type: ignore[attr-defined]
@@ -255,17 +263,13 @@ class Connection(amqp.Connection):
     def end(self, reason: BaseException) -> bool:
         """Record why the connection ended and wake every waiting thread.
 
-        The first reason wins, except that an intentional ``close()`` replaces a
-        failure for later calls (threads already woken keep the error they saw). Returns
-        whether it recorded ``reason``.
+        The first reason wins: a failure stays the reason even when ``close()`` or
+        ``collect()`` follow it (kombu calls both on a failed connection, in ``ensure()``
+        and in a failover's ``switch()``, and other threads must still see a recoverable
+        error). Returns whether it recorded ``reason``.
         """
         with self._state_lock:
-            current = self.reason
-            if current is not None and not (
-                isinstance(reason, ConnectionClosedIntentionally)
-                and getattr(reason, "by_close", False)
-                and not isinstance(current, ConnectionClosedIntentionally)
-            ):
+            if self.reason is not None:
                 return False
             self.reason = reason
         if self.writer is not None:
@@ -327,19 +331,16 @@ class Connection(amqp.Connection):
         """Close the connection: ``Connection.Close``, then wait for ``CloseOk``, stop the
         drainer and close the socket, all within one deadline of ``CLOSE_TIMEOUT``.
 
-        Idempotent and safe from any thread; a no-op on a connection that has already
-        ended (only its resources are released). Every waiting thread wakes with
-        :class:`ConnectionClosedIntentionally`."""
+        Idempotent and safe from any thread. On a live connection every waiting thread
+        wakes with :class:`ConnectionClosedIntentionally`; on one that has already ended
+        it only releases the resources, and the failure stays the reason."""
         deadline = monotonic() + CLOSE_TIMEOUT
         if not self._close_lock.acquire(timeout=CLOSE_TIMEOUT):
             return  # another thread is closing it, within the same bound
         try:
             intentional = ConnectionClosedIntentionally("connection closed by close()")
-            intentional.by_close = True  # type: ignore[attr-defined]
             if self._transport is None:
-                if self.reason is not None:
-                    self.end(intentional)  # collected after a failure: now closed on purpose
-                return
+                return  # released already
             if self.reason is None and self._transport.connected:
                 closed_ok = Waiter()
                 self._closed_ok = closed_ok

@@ -17,18 +17,6 @@ import xml.etree.ElementTree as ET
 #: when an earlier run had left messages in its queue, which the script now deletes first.
 KNOWN_STOCK_FLAKY: dict[str, str] = {}
 
-#: Known deviations of the drainer from stock, reported on every run but not gating,
-#: each with an open issue. Stock keeps ``connected`` true on a failed connection until
-#: collect(), so kombu's ensure() sees the error and revives the consumer; ours turns
-#: false at once (kombu's pools rely on that), and kombu's ``Connection.connection``
-#: then reconnects silently without reviving the consumer.
-_REVIVE = "t.integration.test_py_amqp.test_PyAMQPConsumerRevive::"
-KNOWN_DRAINER_DEVIATIONS = {
-    _REVIVE + "test_revive_resumes_active_queue_only": (
-        "a consumer is not revived when kombu reconnects silently (connected turns false)"
-    ),
-}
-
 
 def outcomes(path: str) -> dict[str, str]:
     result: dict[str, str] = {}
@@ -61,19 +49,15 @@ def main(suite: str, stock_xml: str, drainer_xml: str, report: str) -> int:
             f"errors {counts['error']:2} skipped {counts['skipped']:2}{extra}"
         )
     differs = [n for n, v in stock.items() if v == "passed" and drainer.get(n) != "passed"]
-    broken = [n for n in differs if n not in KNOWN_DRAINER_DEVIATIONS]
     for name in differs:
-        known = KNOWN_DRAINER_DEVIATIONS.get(name, "NOT a known deviation")
-        print(
-            f"  passes on stock, {drainer.get(name, 'missing')} with the drainer: {name} ({known})"
-        )
+        print(f"  passes on stock, {drainer.get(name, 'missing')} with the drainer: {name}")
     for name, v in stock.items():
         if v != "passed":
             note = KNOWN_STOCK_FLAKY.get(name, "NOT a known stock failure")
             print(f"  stock {v}: {name} ({note}); with the drainer: {drainer.get(name)}")
     if connections == 0:
         print("  no connection ran a drainer thread: the plugin did not take effect")
-    return 1 if broken or connections == 0 else 0
+    return 1 if differs or connections == 0 else 0
 
 
 if __name__ == "__main__":
