@@ -167,12 +167,11 @@ class PublishEncoder:
         msg: Any,
     ) -> list[bytes | memoryview]:
         """The frames of one publish, as chunks to send in order."""
+        if not msg or not _standard(type(msg)) or type(msg.body) not in (bytes, str):
+            args = dumps("Bssbb", (0, exchange, routing_key, mandatory, immediate))
+            return self._fallback(channel_id, args, msg)
         method = self._method_frame(channel_id, exchange, routing_key, mandatory, immediate)
-        if not msg:
-            return [method]  # py-amqp writes no content for a falsy one
         body = msg.body
-        if not _standard(type(msg)) or type(body) not in (bytes, str):
-            return self._fallback(channel_id, method, msg)
         if type(body) is str:
             encoding = msg.properties.setdefault("content_encoding", "utf-8")
             body = body.encode(encoding)
@@ -265,16 +264,15 @@ class PublishEncoder:
                 append(pack(">Q", value))
         return flags, b"".join(parts)
 
-    def _fallback(self, channel_id: int, method: bytes, msg: Any) -> list[bytes | memoryview]:
-        """Content py-amqp's own frame writer encodes (its frames after the method's)."""
+    def _fallback(self, channel_id: int, args: bytes, msg: Any) -> list[bytes | memoryview]:
+        """What py-amqp's own frame writer writes: for no content, or content of a class,
+        or with a body, that the fast path leaves alone."""
         with self._fallback_lock:
             collector = self._collector
             collector.chunks = []
-            self._fallback_writer(1, channel_id, spec.Basic.Publish, b"", msg)
-            written = b"".join(collector.chunks)
-            collector.chunks = []
-        # py-amqp wrote a method frame with empty arguments (12 bytes): ours replaces it.
-        return [method + written[12:]]
+            self._fallback_writer(1, channel_id, spec.Basic.Publish, args, msg)
+            written, collector.chunks = collector.chunks, []
+        return [b"".join(written)]
 
 
 def _remember(cache: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
