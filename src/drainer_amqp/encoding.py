@@ -41,9 +41,13 @@ _BODY_HEAD = Struct(">cBHI")  # the previous frame's end, type 3, channel, size
 _U32 = Struct(">I")
 _OCTET = [bytes((i,)) for i in range(256)]
 _INT = Struct(">ci").pack
+_STR_HEAD = Struct(">cI").pack
 _LONG = Struct(">cq").pack
 _DOUBLE = Struct(">cd").pack
 _SHORTSTR, _OCTET_KIND, _TABLE, _TIMESTAMP = "s", "o", "F", "L"
+
+#: Table keys seen, encoded with their length byte (shared by every encoder).
+_KEYS: dict[str, bytes] = {}
 
 #: Message's properties in wire order: name -> (position, flag bit, kind).
 _PROPERTY = {name: (i, 1 << (15 - i), kind) for i, (name, kind) in enumerate(Message.PROPERTIES)}
@@ -62,19 +66,43 @@ def _table(table: dict[Any, Any]) -> bytes | None:
     of a type left to py-amqp (subclasses, Decimal, datetime, out-of-range ints)."""
     parts: list[bytes] = []
     append = parts.append
+    keys = _KEYS
     for key, value in table.items():
-        if type(key) is str:
-            key = key.encode("utf-8", "surrogatepass")
-        elif type(key) is not bytes:
-            return None
-        if len(key) > 255:
-            return None
-        append(_OCTET[len(key)])
-        append(key)
-        if not _item(value, append):
+        head = keys.get(key) if type(key) is str else None
+        if head is None:
+            head = _key(key)
+            if head is None:
+                return None
+        append(head)
+        kind = type(value)  # the common values inline; the rest in _item
+        if kind is str:
+            data = value.encode("utf-8", "surrogatepass")
+            append(_STR_HEAD(b"S", len(data)))
+            append(data)
+        elif value is None:
+            append(b"V")
+        elif kind is int and -2147483647 <= value <= 2147483647:
+            append(_INT(b"I", value))
+        elif not _item(value, append):
             return None
     data = b"".join(parts)
     return _U32.pack(len(data)) + data
+
+
+def _key(key: Any) -> bytes | None:
+    """A table key's length and bytes (cached for str keys), or None if py-amqp's."""
+    if type(key) is str:
+        data = key.encode("utf-8", "surrogatepass")
+    elif type(key) is bytes:
+        data = key
+    else:
+        return None
+    if len(data) > 255:
+        return None
+    head = _OCTET[len(data)] + data
+    if type(key) is str:
+        _remember(_KEYS, key, head, 4 * CACHE_SIZE)
+    return head
 
 
 def _array(values: list[Any] | tuple[Any, ...]) -> bytes | None:
@@ -93,10 +121,10 @@ def _item(value: Any, append: Any) -> bool:
     kind = type(value)
     if kind is str:
         data = value.encode("utf-8", "surrogatepass")
-        append(b"S" + _U32.pack(len(data)))
+        append(_STR_HEAD(b"S", len(data)))
         append(data)
     elif kind is bytes:
-        append(b"S" + _U32.pack(len(value)))
+        append(_STR_HEAD(b"S", len(value)))
         append(value)
     elif kind is bool:
         append(b"t\x01" if value else b"t\x00")
