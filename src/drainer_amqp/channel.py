@@ -13,7 +13,8 @@ closed by the broker is recorded and raised in the thread that next uses the cha
 which reopens it.
 
 The connection interface used here: ``waiters``, ``inbox``, ``reader``,
-``send_frames``, ``wait_unblocked``, ``raise_if_ended``, ``error_for_caller``, ``reason``.
+``send_frames``, ``publish_encoder``, ``send_encoded``, ``wait_unblocked``,
+``raise_if_ended``, ``error_for_caller``, ``reason``.
 """
 
 from __future__ import annotations
@@ -318,11 +319,21 @@ class Channel(pyamqp.Channel):
             if self._confirm_mode:
                 tag = self.confirms.number(waiter)
 
-        args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
-        try:
-            conn.send_frames(
-                self.channel_id, spec.Basic.Publish, args, msg, number=number, timeout=timeout
+        encoder = conn.publish_encoder
+        if encoder is not None and argsig == "Bssbb":
+            chunks = encoder.encode(
+                self.channel_id, exchange, routing_key, mandatory, immediate, msg
             )
+        else:
+            chunks = None
+            args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
+        try:
+            if chunks is not None:
+                conn.send_encoded(chunks, number=number, timeout=timeout)
+            else:
+                conn.send_frames(
+                    self.channel_id, spec.Basic.Publish, args, msg, number=number, timeout=timeout
+                )
         except TimeoutError as exc:
             self.confirms.drop(tag)
             raise RecoverableConnectionError("basic_publish: timed out") from exc
