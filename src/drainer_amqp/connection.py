@@ -443,11 +443,13 @@ class Connection(amqp.Connection):
         if error is not None:
             self.end(self.as_connection_error(error))
         if not isinstance(self.reason, ConnectionClosedIntentionally):
-            # Failed: release the socket and the wake-up pair now, not when kombu gets
-            # round to collect() (it may just drop the connection).
+            # Failed: release the socket now, not when kombu gets round to collect()
+            # (it may just drop the connection).
             self._close_socket(monotonic() + CLOSE_TIMEOUT)
-            if self._drainer is not None:
-                self._drainer.close()
+        if self._drainer is not None:
+            # The wake-up pair goes with the thread; close() may have run out of time
+            # to join it (a silent broker takes the whole deadline).
+            self._drainer.close()
         if self._closed_ok is not None:
             self._closed_ok.fail()  # a close() in progress need not wait any longer
 
