@@ -23,7 +23,7 @@ import psutil
 import pytest
 from kombu import Consumer, Producer, Queue
 from kombu.mixins import W_CONN_LOST, ConsumerMixin
-from support.broker import BROKER_HOST, unique_name, wait_until
+from support.broker import BROKER_HOST, drainer_threads, unique_name, wait_until
 from support.toxiproxy.fixtures import ProxiedBroker
 from toxiproxy import Toxiproxy
 
@@ -61,7 +61,7 @@ def open_links(port: int) -> int:
 
 
 def drainer_thread_names() -> set[str]:
-    return {t.name for t in threading.enumerate() if t.name.startswith("drainer-amqp-")}
+    return {t.name for t in drainer_threads()}
 
 
 def blocked_in(thread: threading.Thread, function: str) -> bool:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import amqp
 import pytest
 from support.broker import BROKER_HOST, unique_name
-from test_gunicorn import Gunicorn, health_by_pid
+from support.gunicorn import Gunicorn, health_by_pid
 
 from benchmarks import QUICK
 from benchmarks.report import Collector, Section, Target, fmt_ms, fmt_ratio, percentile, ratio

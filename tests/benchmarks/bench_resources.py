@@ -27,7 +27,6 @@ import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import amqp
 import psutil
 import pytest
-from support.broker import BROKER_HOST, unique_name, wait_until
+from support.broker import BROKER_HOST, drainer_threads, unique_name, wait_until
 
 import drainer_amqp
 from benchmarks import QUICK
@@ -111,10 +110,6 @@ def open_idle(mode: str) -> amqp.Connection:
     return conn
 
 
-def drainer_threads() -> int:
-    return sum(t.name.startswith("drainer-amqp-") for t in threading.enumerate())
-
-
 def measure_idle(mode: str, count: int) -> dict[str, Any]:
     proc = psutil.Process()
     before = snapshot(proc)
@@ -132,7 +127,7 @@ def measure_idle(mode: str, count: int) -> dict[str, Any]:
         closed = time.perf_counter() - start
     assert len(conns) == count
     # Drainer threads end on their own after close(): wait for them, then for the fds.
-    assert wait_until(lambda: drainer_threads() == 0, 30), f"{drainer_threads()} drainers left"
+    assert wait_until(lambda: not drainer_threads(), 30), f"{len(drainer_threads())} drainers left"
     assert wait_until(lambda: proc.num_threads() <= before["threads"], 30), (
         f"{mode}: {proc.num_threads()} threads after close, {before['threads']} before"
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import amqp
 import psutil
 import pytest
-from support.broker import BROKER_HOST, unique_name, wait_until
+from support.broker import BROKER_HOST, drainer_threads, unique_name, wait_until
 
 from benchmarks import QUICK, all_stacks, blocked_in, connect, interleaved
 from benchmarks.report import Collector, Section, Target, fmt_ms, fmt_ratio, ratio, summarize
@@ -43,10 +43,6 @@ class CloseResult:
     stacks: str = ""  #: every thread's stack, when close() deadlocked
 
 
-def _drainer_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("drainer-amqp-")]
-
-
 def _sockets_on(port: int) -> list[str]:
     process = psutil.Process()
     conns = process.net_connections(kind="inet")
@@ -55,7 +51,7 @@ def _sockets_on(port: int) -> list[str]:
 
 def close_one(mode: str) -> CloseResult:
     result = CloseResult(mode)
-    drainers_before = set(_drainer_threads())
+    drainers_before = set(drainer_threads())
     conn = connect(mode, host=BROKER_HOST)
     local_port = conn.transport.sock.getsockname()[1]
     deadline = time.monotonic() + WORKER_DEADLINE
@@ -120,7 +116,7 @@ def close_one(mode: str) -> CloseResult:
         result.seconds = elapsed[0]
 
         # Right after close() returns: nothing of this connection may be left.
-        leftover = set(_drainer_threads()) - drainers_before
+        leftover = set(drainer_threads()) - drainers_before
         if leftover:
             result.leaks.append(f"drainer threads: {sorted(t.name for t in leftover)}")
         sockets = _sockets_on(local_port)
