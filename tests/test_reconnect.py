@@ -257,3 +257,25 @@ def test_failover_to_the_next_url_keeps_every_thread_retrying(toxiproxy: Any) ->
     assert wait_until(lambda: not any(_sockets_to(port) for port in ports), 5), [
         _sockets_to(port) for port in ports
     ]
+
+
+def test_a_reconnect_racing_another_threads_collect_is_recoverable() -> None:
+    """Thread A is inside kombu's reconnect with ``conn.transport`` when thread B's
+    ``ensure()`` calls ``conn.collect()``, which detaches that transport. A's reconnect
+    raises an error kombu's retry loop retries (with a fresh transport), not an
+    AttributeError that reaches the caller."""
+    conn = kombu.Connection(
+        "amqp://guest:guest@127.0.0.1:5672//",
+        transport="drainer_amqp:Transport",
+        transport_options={"dedicated_drainer": True},
+    )
+    try:
+        conn.ensure_connection(max_retries=3)
+        transport = conn.transport  # thread A, inside kombu's _establish_connection
+        conn.collect()  # thread B
+        with pytest.raises(tuple(conn.recoverable_connection_errors)):
+            transport.establish_connection()
+        conn.ensure_connection(max_retries=3)  # kombu's retry: a fresh transport connects
+        assert conn.connected
+    finally:
+        conn.release()

@@ -29,6 +29,7 @@ import threading
 import weakref
 from typing import Any
 
+from amqp.exceptions import RecoverableConnectionError
 from kombu.transport import TRANSPORT_ALIASES, pyamqp
 
 from .connection import Connection as DrainerConnection
@@ -49,7 +50,10 @@ class Transport(pyamqp.Transport):
     def establish_connection(self) -> DrainerConnection:
         client = self.client
         if client is None:
-            return super().establish_connection()  # type: ignore[no-any-return]
+            # Another thread's collect() detached this transport from its kombu
+            # connection while this one was reconnecting: recoverable, so kombu's retry
+            # loop tries again with a fresh transport (stock raised AttributeError).
+            raise RecoverableConnectionError("reconnect raced a collect(); retry")
         with _live_lock:
             lock = _reconnect_locks.setdefault(client, threading.Lock())
         with lock:
