@@ -13,6 +13,7 @@ import sys
 import threading
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import kombu
@@ -49,6 +50,89 @@ def _sockets_to(port: int) -> list[Any]:
     ]
 
 
+Publish = Callable[[str], None]
+
+
+class Publishers:
+    """``THREADS`` publisher threads, each publishing numbered bodies with the function
+    ``make(n)`` gives it until stopped; what they confirmed and what they raised."""
+
+    def __init__(self, make: Callable[[int], Publish]) -> None:
+        self.confirmed: list[str] = []
+        self.raised: Counter[str] = Counter()
+        self.first: dict[str, str] = {}  # the first traceback of each type raised
+        self._lock = threading.Lock()  # guards confirmed, raised and first
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(make, n), name=f"publisher-{n}")
+            for n in range(THREADS)
+        ]
+
+    def _run(self, make: Callable[[int], Publish], n: int) -> None:
+        publish = make(n)
+        i = 0
+        while not self._stop.is_set():
+            body = f"{n}-{i}"
+            i += 1
+            try:
+                publish(body)
+            except Exception as exc:  # noqa: BLE001 - counted by type, asserted below
+                with self._lock:
+                    kind = type(exc).__name__
+                    if not self.raised[kind]:
+                        self.first[kind] = "".join(traceback.format_exception(exc))
+                    self.raised[kind] += 1
+                continue
+            with self._lock:
+                self.confirmed.append(body)
+
+    def __enter__(self) -> Publishers:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(JOIN)
+        if exc_type is None:  # else the failure in the block is the one to report
+            assert not any(t.is_alive() for t in self._threads), (
+                f"a publisher hung: {_stacks(self._threads)}"
+            )
+
+    def progressed(self) -> bool:
+        """Whether 20 more publishes were confirmed within 30 s."""
+        start = len(self.confirmed)
+        return wait_until(lambda: len(self.confirmed) > start + 20, 30)
+
+    def why_not(self) -> str:
+        return f"raised so far: {self.raised} {self.first}"
+
+
+def _assert_every_confirmed_message_arrived(queue: str, confirmed: list[str]) -> None:
+    """Every confirmed body is in ``queue`` (more may be: at-least-once); deletes it."""
+    with kombu.Connection("amqp://guest:guest@127.0.0.1:5672//") as direct:
+        channel = direct.channel()
+        got: set[str] = set()
+        while (message := channel.basic_get(queue, no_ack=True)) is not None:
+            body = message.body.decode() if isinstance(message.body, bytes) else message.body
+            got.add(body.strip('"'))
+        channel.queue_delete(queue)
+    lost = set(confirmed) - got
+    assert not lost, f"{len(lost)} confirmed messages lost, e.g. {sorted(lost)[:5]}"
+
+
+def _assert_released(conn: kombu.Connection, drainers_before: set[Any], ports: list[int]) -> None:
+    """After ``release()``, no drainer thread and no socket to the broker remain."""
+    conn.release()
+    assert wait_until(lambda: not (set(drainer_threads()) - drainers_before), 5), (
+        f"drainer threads left after release(): {set(drainer_threads()) - drainers_before}"
+    )
+    assert wait_until(lambda: not any(_sockets_to(port) for port in ports), 5), (
+        f"sockets to the broker left after release(): {[_sockets_to(p) for p in ports]}"
+    )
+
+
 @pytest.mark.parametrize("api", ["publish_retry", "ensure", "autoretry"])
 def test_eight_threads_one_connection_repeated_resets(proxied_broker: Any, api: str) -> None:
     queue = kombu.Queue(unique_name(), auto_delete=False)
@@ -57,57 +141,32 @@ def test_eight_threads_one_connection_repeated_resets(proxied_broker: Any, api: 
         transport="drainer_amqp:Transport",
         transport_options={"dedicated_drainer": True, "confirm_publish": True},
     )
-    threads_before = set(drainer_threads())
+    drainers_before = set(drainer_threads())
     queue.bind(conn.default_channel).declare()
-    stop = threading.Event()
-    confirmed: list[str] = []
-    raised: Counter[str] = Counter()
-    lock = threading.Lock()  # guards confirmed and raised
 
-    def publisher(n: int) -> None:
+    def make(n: int) -> Publish:
         # A producer on a channel of its own, for autoretry; the others use the default
         # channel, where kombu's retry revives them (see the failover test below).
         producer = kombu.Producer(conn.channel() if api == "autoretry" else conn)
-        publish: Any = producer.publish
         if api == "ensure":
-            publish = conn.ensure(producer, producer.publish, **RETRY_POLICY)
-        elif api == "autoretry":
+            ensured = conn.ensure(producer, producer.publish, **RETRY_POLICY)
+            return lambda body: ensured(body, routing_key=queue.name)
+        if api == "autoretry":
 
             def send(body: str, routing_key: str, channel: Any = None) -> None:
                 kombu.Producer(channel).publish(body, routing_key=routing_key)
 
             # autoretry hands the function a revived channel after each reconnect.
-            publish = conn.autoretry(send, channel=producer.channel, **RETRY_POLICY)
-        i = 0
-        while not stop.is_set():
-            body = f"{n}-{i}"
-            i += 1
-            try:
-                if api == "publish_retry":
-                    publish(body, routing_key=queue.name, retry=True, retry_policy=RETRY_POLICY)
-                else:
-                    publish(body, routing_key=queue.name)
-            except Exception as exc:  # noqa: BLE001 - counted by type, asserted below
-                with lock:
-                    raised[type(exc).__name__] += 1
-                continue
-            with lock:
-                confirmed.append(body)
+            retried = conn.autoretry(send, channel=producer.channel, **RETRY_POLICY)
+            return lambda body: retried(body, routing_key=queue.name)
+        return lambda body: producer.publish(
+            body, routing_key=queue.name, retry=True, retry_policy=RETRY_POLICY
+        )
 
-    workers = [
-        threading.Thread(target=publisher, args=(n,), name=f"publisher-{n}") for n in range(THREADS)
-    ]
     rng = random.Random(11)
-
-    def progressed() -> bool:
-        start = len(confirmed)
-        return wait_until(lambda: len(confirmed) > start + 20, 30)
-
-    try:
-        for w in workers:
-            w.start()
+    with Publishers(make) as publishers:
         for i in range(FAULTS):
-            assert progressed(), f"no progress; raised so far: {raised}"
+            assert publishers.progressed(), f"no progress; {publishers.why_not()}"
             if i % 2:
                 proxied_broker.proxy.disable()
                 threading.Event().wait(rng.uniform(0.05, 0.3))
@@ -118,30 +177,10 @@ def test_eight_threads_one_connection_repeated_resets(proxied_broker: Any, api: 
                 )
                 threading.Event().wait(0.05)
                 proxied_broker.proxy.destroy_toxic("reset")
-        assert progressed(), f"no progress; raised so far: {raised}"
-    finally:
-        stop.set()
-        for w in workers:
-            w.join(JOIN)
-    assert not any(w.is_alive() for w in workers), "a publisher hung"
-    assert "ConnectionClosedIntentionally" not in raised, raised
-    # Every confirmed message is in the queue (more may be: at-least-once).
-    with kombu.Connection("amqp://guest:guest@127.0.0.1:5672//") as direct:
-        channel = direct.channel()
-        got: set[str] = set()
-        while (message := channel.basic_get(queue.name, no_ack=True)) is not None:
-            got.add(message.body.decode() if isinstance(message.body, bytes) else message.body)
-        channel.queue_delete(queue.name)
-    got = {g.strip('"') for g in got}
-    lost = set(confirmed) - got
-    assert not lost, f"{len(lost)} confirmed messages lost, e.g. {sorted(lost)[:5]}"
-    conn.release()
-    assert wait_until(lambda: not (set(drainer_threads()) - threads_before), 5), (
-        f"drainer threads left after release(): {set(drainer_threads()) - threads_before}"
-    )
-    assert wait_until(lambda: not _sockets_to(proxied_broker.port), 5), (
-        f"sockets to the broker left after release(): {_sockets_to(proxied_broker.port)}"
-    )
+        assert publishers.progressed(), f"no progress; {publishers.why_not()}"
+    assert "ConnectionClosedIntentionally" not in publishers.raised, publishers.raised
+    _assert_every_confirmed_message_arrived(queue.name, publishers.confirmed)
+    _assert_released(conn, drainers_before, [proxied_broker.port])
 
 
 def test_release_is_intentional_for_every_thread(proxied_broker: Any) -> None:
@@ -176,12 +215,12 @@ def test_failover_to_the_next_url_keeps_every_thread_retrying(toxiproxy: Any) ->
     """kombu's failover (``Connection.switch()``) closes the failed connection; threads
     still on it must get a recoverable error and follow to the next URL, not be told the
     connection was closed on purpose."""
-    proxies = []
-    for _ in range(2):
-        proxy = toxiproxy.create(
+    proxies = [
+        toxiproxy.create(
             upstream="127.0.0.1:5672", name=unique_name("failover"), listen="127.0.0.1:0"
         )
-        proxies.append(proxy)
+        for _ in range(2)
+    ]
     ports = [int(p.listen.rsplit(":", 1)[1]) for p in proxies]
     # The scheme names the transport: kombu's switch() takes it from the next URL.
     urls = ";".join(f"drainer-amqp://guest:guest@127.0.0.1:{port}//" for port in ports)
@@ -190,73 +229,29 @@ def test_failover_to_the_next_url_keeps_every_thread_retrying(toxiproxy: Any) ->
         urls,
         transport_options={"dedicated_drainer": True, "confirm_publish": True},
     )
-    threads_before = set(drainer_threads())
+    drainers_before = set(drainer_threads())
     queue.bind(conn.default_channel).declare()
-    stop = threading.Event()
-    confirmed: list[str] = []
-    raised: Counter[str] = Counter()
-    first: dict[str, str] = {}  # the first traceback of each type raised
-    lock = threading.Lock()  # guards confirmed and raised
 
-    def publisher(n: int) -> None:
+    def make(n: int) -> Publish:
         # kombu's retry revives a producer on the connection's default channel; one made
         # on a channel of its own loses it to another thread's collect() (channel.connection
         # becomes None and Producer.connection raises AttributeError), as with stock kombu.
         producer = kombu.Producer(conn)
-        i = 0
-        while not stop.is_set():
-            body = f"{n}-{i}"
-            i += 1
-            try:
-                producer.publish(
-                    body, routing_key=queue.name, retry=True, retry_policy=RETRY_POLICY
-                )
-            except Exception as exc:  # noqa: BLE001 - counted by type, asserted below
-                with lock:
-                    if not raised[type(exc).__name__]:
-                        first[type(exc).__name__] = "".join(traceback.format_exception(exc))
-                    raised[type(exc).__name__] += 1
-                continue
-            with lock:
-                confirmed.append(body)
+        return lambda body: producer.publish(
+            body, routing_key=queue.name, retry=True, retry_policy=RETRY_POLICY
+        )
 
-    def progressed() -> bool:
-        start = len(confirmed)
-        return wait_until(lambda: len(confirmed) > start + 20, 30)
-
-    workers = [
-        threading.Thread(target=publisher, args=(n,), name=f"publisher-{n}") for n in range(THREADS)
-    ]
-    try:
-        for w in workers:
-            w.start()
-        assert progressed(), f"no progress; raised so far: {raised}"
+    with Publishers(make) as publishers:
+        assert publishers.progressed(), f"no progress; {publishers.why_not()}"
         for down, up in ((0, 1), (1, 0)):
             proxies[up].enable()
             proxies[down].disable()  # closes the live link and refuses new ones
-            assert progressed(), f"no progress after losing {ports[down]}; raised: {raised} {first}"
-    finally:
-        stop.set()
-        for w in workers:
-            w.join(JOIN)
-    assert not any(w.is_alive() for w in workers), f"a publisher hung: {_stacks(workers)}"
-    assert "ConnectionClosedIntentionally" not in raised, raised
-    with kombu.Connection("amqp://guest:guest@127.0.0.1:5672//") as direct:
-        channel = direct.channel()
-        got: set[str] = set()
-        while (message := channel.basic_get(queue.name, no_ack=True)) is not None:
-            body = message.body.decode() if isinstance(message.body, bytes) else message.body
-            got.add(body.strip('"'))
-        channel.queue_delete(queue.name)
-    lost = set(confirmed) - got
-    assert not lost, f"{len(lost)} confirmed messages lost, e.g. {sorted(lost)[:5]}"
-    conn.release()
-    assert wait_until(lambda: not (set(drainer_threads()) - threads_before), 5), (
-        f"drainer threads left after release(): {set(drainer_threads()) - threads_before}"
-    )
-    assert wait_until(lambda: not any(_sockets_to(port) for port in ports), 5), [
-        _sockets_to(port) for port in ports
-    ]
+            assert publishers.progressed(), (
+                f"no progress after losing {ports[down]}; {publishers.why_not()}"
+            )
+    assert "ConnectionClosedIntentionally" not in publishers.raised, publishers.raised
+    _assert_every_confirmed_message_arrived(queue.name, publishers.confirmed)
+    _assert_released(conn, drainers_before, ports)
 
 
 def test_a_reconnect_racing_another_threads_collect_is_recoverable() -> None:

@@ -320,17 +320,16 @@ class Channel(pyamqp.Channel):
                 tag = self.confirms.number(waiter)
 
         encoder = conn.publish_encoder
+        chunks = None
         if encoder is not None and argsig == "Bssbb":
             chunks = encoder.encode(
                 self.channel_id, exchange, routing_key, mandatory, immediate, msg
             )
-        else:
-            chunks = None
-            args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
         try:
             if chunks is not None:
                 conn.send_encoded(chunks, number=number, timeout=timeout)
             else:
+                args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
                 conn.send_frames(
                     self.channel_id, spec.Basic.Publish, args, msg, number=number, timeout=timeout
                 )

@@ -401,8 +401,6 @@ class Connection(amqp.Connection):
             if not drainer.stop(max(deadline - monotonic(), 0.0)):
                 logger.warning("drainer thread %s did not stop in time", drainer.thread.name)
         self._close_socket(deadline, shutdown)
-        if drainer is not None and not drainer.is_alive():
-            drainer.close()
         self.inbox.close()
         _connections.discard(self)
         for channel in list((self.channels or {}).values()):
@@ -446,10 +444,6 @@ class Connection(amqp.Connection):
             # Failed: release the socket now, not when kombu gets round to collect()
             # (it may just drop the connection).
             self._close_socket(monotonic() + CLOSE_TIMEOUT)
-        if self._drainer is not None:
-            # The wake-up pair goes with the thread; close() may have run out of time
-            # to join it (a silent broker takes the whole deadline).
-            self._drainer.close()
         if self._closed_ok is not None:
             self._closed_ok.fail()  # a close() in progress need not wait any longer
 

@@ -111,8 +111,8 @@ class Drainer:
         return not self.thread.is_alive()
 
     def close(self) -> None:
-        """Release the wake-up pair: once the thread has ended, or from the thread itself
-        as it exits (a later :meth:`wake` is then a no-op)."""
+        """Release the wake-up pair. The thread does it as it exits; a forked child,
+        which has no thread, does it itself. A later :meth:`wake` is a no-op."""
         self._wake.close()
 
     def is_alive(self) -> bool:
@@ -138,7 +138,10 @@ class Drainer:
             error = exc
         finally:
             selector.close()
-        self._sink.drainer_exited(None if self._stopping else error)
+        try:
+            self._sink.drainer_exited(None if self._stopping else error)
+        finally:
+            self.close()  # the wake-up pair goes with the thread, whoever stopped it
 
     def _loop(self, selector: selectors.BaseSelector) -> None:
         now = monotonic()

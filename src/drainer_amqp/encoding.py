@@ -16,13 +16,11 @@ message's ``content_encoding``, which is set to ``utf-8`` when missing, as py-am
 
 from __future__ import annotations
 
-import threading
 from struct import Struct, pack
 from typing import Any
 
 from amqp import spec
 from amqp.basic_message import Message
-from amqp.method_framing import frame_writer
 from amqp.serialization import GenericContent, dumps
 
 __all__ = ["PublishEncoder"]
@@ -156,18 +154,6 @@ def _item(value: Any, append: Any) -> bool:
     return True
 
 
-class _Collector:
-    """A transport for py-amqp's frame writer that keeps what it writes (the fallback)."""
-
-    def __init__(self, frame_max: int) -> None:
-        self.frame_max = frame_max
-        self.bytes_sent = 0
-        self.chunks: list[bytes] = []
-
-    def write(self, data: Any) -> None:
-        self.chunks.append(bytes(data))  # py-amqp reuses its buffer: copy
-
-
 class PublishEncoder:
     """Encodes ``Basic.Publish`` with its content for one connection's ``frame_max``.
 
@@ -181,9 +167,6 @@ class PublishEncoder:
         self.cache_size = cache_size
         self._methods: dict[tuple[Any, ...], bytes] = {}
         self._layouts: dict[tuple[str, ...], list[tuple[str, int, str]]] = {}
-        self._fallback_lock = threading.Lock()
-        self._collector = _Collector(frame_max)
-        self._fallback_writer = frame_writer(self._collector, self._collector)
 
     def encode(
         self,
@@ -193,11 +176,12 @@ class PublishEncoder:
         mandatory: Any,
         immediate: Any,
         msg: Any,
-    ) -> list[bytes | memoryview]:
-        """The frames of one publish, as chunks to send in order."""
+    ) -> list[bytes | memoryview] | None:
+        """The frames of one publish, as chunks to send in order; None for what it
+        leaves to py-amqp's own frame writer (no content, or content of a class or with
+        a body it does not know)."""
         if not msg or not _standard(type(msg)) or type(msg.body) not in (bytes, str):
-            args = dumps("Bssbb", (0, exchange, routing_key, mandatory, immediate))
-            return self._fallback(channel_id, args, msg)
+            return None
         method = self._method_frame(channel_id, exchange, routing_key, mandatory, immediate)
         body = msg.body
         if type(body) is str:
@@ -291,16 +275,6 @@ class PublishEncoder:
                     return 0, None
                 append(pack(">Q", value))
         return flags, b"".join(parts)
-
-    def _fallback(self, channel_id: int, args: bytes, msg: Any) -> list[bytes | memoryview]:
-        """What py-amqp's own frame writer writes: for no content, or content of a class,
-        or with a body, that the fast path leaves alone."""
-        with self._fallback_lock:
-            collector = self._collector
-            collector.chunks = []
-            self._fallback_writer(1, channel_id, spec.Basic.Publish, args, msg)
-            written, collector.chunks = collector.chunks, []
-        return [b"".join(written)]
 
 
 def _remember(cache: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
