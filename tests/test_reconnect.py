@@ -310,7 +310,7 @@ def test_a_failover_after_a_failed_reconnect_leaves_another_threads_new_connecti
         assert b_failed.wait(JOIN), "thread B's first reconnect did not fail"
         conn.ensure_connection(max_retries=4, interval_start=0)  # thread A
         live = conn.connection
-        channel = conn.default_channel
+        channel: Any = conn.default_channel
         b_may_switch.set()
         b.join(JOIN)
         assert not b.is_alive(), "thread B hung"
