@@ -354,7 +354,9 @@ class Connection(amqp.Connection):
 
         Idempotent and safe from any thread. On a live connection every waiting thread
         wakes with :class:`ConnectionClosedIntentionally`; on one that has already ended
-        it only releases the resources, and the failure stays the reason."""
+        it only releases the resources, and the failure stays the reason. In legacy mode,
+        while another thread is blocked reading the socket, it closes the socket without
+        the handshake (the broker logs an unexpected close)."""
         deadline = monotonic() + CLOSE_TIMEOUT
         if not self._close_lock.acquire(timeout=CLOSE_TIMEOUT):
             return  # another thread is closing it, within the same bound
@@ -362,7 +364,10 @@ class Connection(amqp.Connection):
             intentional = ConnectionClosedIntentionally("connection closed by close()")
             if self._transport is None:
                 return  # released already
-            if self.reason is None and self._transport.connected:
+            # A legacy reader blocked in a read holds the transport lock until the read
+            # returns (up to its drain timeout, or for ever): writing Connection.Close
+            # would wait for it. Only the socket's shutdown below cuts that read short.
+            if self.reason is None and self._transport.connected and not self.reader.reading:
                 closed_ok = Waiter()
                 self._closed_ok = closed_ok
                 self.is_closing = True
