@@ -14,6 +14,7 @@ shared by both modes.
 
 from __future__ import annotations
 
+import threading
 from time import monotonic
 from typing import TYPE_CHECKING, Protocol
 
@@ -62,10 +63,12 @@ class LockReader:
                     conn.raise_if_ended()
                 remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
                 self.reading = True
+                conn.dispatching = threading.get_ident()
                 try:
                     conn.blocking_read(remaining)  # at least one read, even at the deadline
                 finally:
                     self.reading = False
+                    conn.dispatching = None
             except TimeoutError:
                 raise TimeoutError() from None
             except (OSError, AMQPError) as exc:
