@@ -17,8 +17,7 @@ from __future__ import annotations
 from time import monotonic
 from typing import TYPE_CHECKING, Protocol
 
-from amqp.exceptions import AMQPError
-
+from .framing import HEADER_SIZE, check_header
 from .sync import Awaitable
 
 if TYPE_CHECKING:
@@ -56,10 +55,10 @@ class LockReader:
                 if not closing:
                     conn.raise_if_ended()
                 remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
-                conn.blocking_read(remaining)  # at least one read, even at the deadline
+                read_frame(conn, remaining)  # at least one read, even at the deadline
             except TimeoutError:
                 raise TimeoutError() from None
-            except (OSError, AMQPError) as exc:
+            except Exception as exc:  # noqa: BLE001 - any read failure ends the connection
                 conn.end(conn.as_connection_error(exc))
                 if closing:
                     return
@@ -68,3 +67,19 @@ class LockReader:
                 lock.release()
             if deadline is not None and monotonic() >= deadline and not awaitable.ready():
                 raise TimeoutError()
+
+
+def read_frame(conn: Connection, timeout: float | None) -> None:
+    """Legacy: read one frame with py-amqp's transport and dispatch it.
+
+    As py-amqp's ``blocking_read``, except that the header is checked
+    (:func:`~drainer_amqp.framing.check_header`) before the payload is read: a bogus
+    size fails at once instead of waiting for (and buffering) that many bytes.
+    """
+    transport = conn.transport
+    with transport.having_timeout(timeout):
+        header = transport._read(HEADER_SIZE, True)  # a timeout here keeps what it read
+        transport._read_buffer = header + transport._read_buffer  # read_frame reads it again
+        check_header(header, conn.frame_max)
+        frame = transport.read_frame()
+    conn.on_inbound_frame(frame)
