@@ -17,6 +17,7 @@ from __future__ import annotations
 from time import monotonic
 from typing import TYPE_CHECKING, Protocol
 
+from .channel import CLOSE_TIMEOUT
 from .framing import HEADER_SIZE, check_header
 from .sync import Awaitable
 
@@ -60,6 +61,9 @@ class LockReader:
                 raise TimeoutError() from None
             except Exception as exc:  # noqa: BLE001 - any read failure ends the connection
                 conn.end(conn.as_connection_error(exc))
+                # As in drainer mode: the socket goes now (kombu may just drop a failed
+                # connection and open another); a writer waiting on it wakes.
+                conn._close_socket(monotonic() + CLOSE_TIMEOUT)
                 if closing:
                     return
                 raise conn.error_for_caller() from exc
