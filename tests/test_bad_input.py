@@ -244,12 +244,12 @@ def test_bad_input_fails_every_waiting_thread_with_a_typed_error(scene: Scene, c
         assert w.cpu < SPIN_FRACTION * (w.ended - w.started) + 0.05, (w.name, w.cpu)
     print(f"\n{scene.mode} {case}: last waiter failed {worst * 1000:.1f} ms after the bytes")
     assert worst < ERROR_BOUND, f"{worst:.3f}s"
-    # The failed connection can still be logged; every later call fails at once with
-    # the same reason, and the drainer is gone.
+    # The drainer is gone; the failed connection can still be logged; every later call
+    # fails at once with the same reason.
+    assert wait_until(lambda: not scene.conn.drainer_stats()["running"], JOIN)
     assert "Transport" in repr(scene.conn.transport)
     with pytest.raises(expected):
         scene.conn.channel(1).queue_declare("q")
-    assert wait_until(lambda: not scene.conn.drainer_stats()["running"], JOIN)
 
 
 def test_a_reply_just_before_the_bad_bytes_is_still_delivered(scene: Scene) -> None:

@@ -341,8 +341,8 @@ class Connection(amqp.Connection):
         io_lock = self.writer.io_lock if self.writer is not None else self.transport_lock
         locked = io_lock.acquire(timeout=max(deadline - monotonic(), 0.0))
         try:
-            sock.close()
             transport.sock = None  # as py-amqp's close(): its repr() fails on a closed socket
+            sock.close()
         finally:
             if locked:
                 io_lock.release()
