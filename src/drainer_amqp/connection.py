@@ -218,7 +218,11 @@ class Connection(amqp.Connection):
         writer.send(chunks, number=number, timeout=timeout)
 
     def connect(self, callback: Callable[[], Any] | None = None) -> Any:
-        result = super().connect(callback)
+        try:
+            result = super().connect(callback)
+        except AMQPError:
+            self.collect()  # a refused login: py-amqp releases the socket only on OSError
+            raise
         if self._frame_writer_cls is amqp_frame_writer and self.connected:
             self.publish_encoder = PublishEncoder(self.frame_max)  # frame_max as tuned
         if self.dedicated_drainer and self._drainer is None and self.connected:
@@ -347,6 +351,7 @@ class Connection(amqp.Connection):
         io_lock = self.writer.io_lock if self.writer is not None else self.transport_lock
         locked = io_lock.acquire(timeout=max(deadline - monotonic(), 0.0))
         try:
+            transport.sock = None  # as py-amqp's close(): its repr() fails on a closed socket
             sock.close()
         finally:
             if locked:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from time import monotonic
 from typing import Any, Protocol
 
-from .errors import ConnectionLost, HeartbeatTimeout
+from .errors import ConnectionLost, HeartbeatTimeout, MalformedFrame
 from .framing import Frame, FrameAssembler
 from .sync import Awaitable, Signal
 
@@ -210,7 +210,14 @@ class Drainer:
         stats = self.stats
         stats.reads += 1
         stats.bytes_read += len(data)
-        frames = self._assembler.feed(data)
+        try:
+            frames = self._assembler.feed(data)
+        except MalformedFrame as exc:
+            # What came before the bad frame was sound: deliver it, then fail.
+            frames, exc.frames = exc.frames, []
+            if frames:
+                self._sink.dispatch_frames(frames)
+            raise
         if frames:
             stats.frames_read += len(frames)
             stats.heartbeats_received += sum(1 for f in frames if f[0] == 8)

@@ -45,7 +45,12 @@ class HeartbeatTimeout(ConnectionLost):
 
 
 class MalformedFrame(ConnectionLost):
-    """The broker sent bytes that are not a valid AMQP frame."""
+    """The broker sent bytes that are not a valid AMQP frame.
+
+    ``frames``: the complete frames read just before the bad one (set by the frame
+    assembler), for the reader to deliver before it fails the connection."""
+
+    frames: list[tuple[int, int, bytes]] = []  # set per instance, never mutated
 
 
 class ConnectionBlocked(RecoverableConnectionError):

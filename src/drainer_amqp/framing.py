@@ -11,7 +11,7 @@ from struct import unpack_from
 
 from .errors import MalformedFrame
 
-__all__ = ["FRAME_END", "Frame", "FrameAssembler"]
+__all__ = ["FRAME_END", "Frame", "FrameAssembler", "check_header"]
 
 FRAME_END = 0xCE
 HEADER_SIZE = 7
@@ -19,6 +19,25 @@ HEADER_SIZE = 7
 FRAME_TYPES = frozenset((1, 2, 3, 8))
 
 Frame = tuple[int, int, bytes]
+
+
+def check_header(
+    header: bytes | bytearray, frame_max: int, offset: int = 0
+) -> tuple[int, int, int]:
+    """Unpack the 7-byte frame header at ``offset``: ``(type, channel, size)``.
+
+    Raises :class:`MalformedFrame` for an unknown frame type or a frame larger than
+    ``frame_max`` (0: no limit), so a reader can refuse a bogus size before it reads
+    or buffers the payload.
+    """
+    frame_type, channel, size = unpack_from(">BHI", header, offset)
+    if frame_type not in FRAME_TYPES:
+        raise MalformedFrame(f"unknown frame type {frame_type}")
+    if frame_max and size + HEADER_SIZE + 1 > frame_max:
+        raise MalformedFrame(
+            f"frame of {size + HEADER_SIZE + 1} bytes exceeds frame_max {frame_max}"
+        )
+    return frame_type, channel, size
 
 
 class FrameAssembler:
@@ -33,29 +52,29 @@ class FrameAssembler:
 
         Raises :class:`MalformedFrame` for an unknown frame type, a size above
         ``frame_max`` (checked as soon as the header is in, so a bogus size fails at
-        once instead of buffering) or a wrong frame-end byte.
+        once instead of buffering) or a wrong frame-end byte; its ``frames`` are the
+        frames this call completed before the bad one.
         """
         buf = self._buf
         buf += data
         frames: list[Frame] = []
         pos = 0
-        while len(buf) - pos >= HEADER_SIZE:
-            frame_type, channel, size = unpack_from(">BHI", buf, pos)
-            if frame_type not in FRAME_TYPES:
-                raise MalformedFrame(f"unknown frame type {frame_type}")
-            if self.frame_max and size + HEADER_SIZE + 1 > self.frame_max:
-                raise MalformedFrame(
-                    f"frame of {size + HEADER_SIZE + 1} bytes exceeds frame_max {self.frame_max}"
-                )
-            end = pos + HEADER_SIZE + size
-            if len(buf) <= end:
-                break
-            if buf[end] != FRAME_END:
-                raise MalformedFrame(f"frame-end byte {buf[end]:#04x}, expected 0xce")
-            frames.append((frame_type, channel, bytes(buf[pos + HEADER_SIZE : end])))
-            pos = end + 1
-        if pos:
-            del buf[:pos]
+        try:
+            while len(buf) - pos >= HEADER_SIZE:
+                frame_type, channel, size = check_header(buf, self.frame_max, pos)
+                end = pos + HEADER_SIZE + size
+                if len(buf) <= end:
+                    break
+                if buf[end] != FRAME_END:
+                    raise MalformedFrame(f"frame-end byte {buf[end]:#04x}, expected 0xce")
+                frames.append((frame_type, channel, bytes(buf[pos + HEADER_SIZE : end])))
+                pos = end + 1
+        except MalformedFrame as exc:
+            exc.frames = frames  # complete before the bad one: the caller delivers them
+            raise
+        finally:
+            if pos:
+                del buf[:pos]
         return frames
 
     @property

@@ -18,8 +18,8 @@ import threading
 from time import monotonic
 from typing import TYPE_CHECKING, Protocol
 
-from amqp.exceptions import AMQPError
-
+from .channel import CLOSE_TIMEOUT
+from .framing import HEADER_SIZE, check_header
 from .sync import Awaitable
 
 if TYPE_CHECKING:
@@ -65,14 +65,17 @@ class LockReader:
                 self.reading = True
                 conn.dispatching = threading.get_ident()
                 try:
-                    conn.blocking_read(remaining)  # at least one read, even at the deadline
+                    read_frame(conn, remaining)  # at least one read, even at the deadline
                 finally:
                     self.reading = False
                     conn.dispatching = None
             except TimeoutError:
                 raise TimeoutError() from None
-            except (OSError, AMQPError) as exc:
+            except Exception as exc:  # noqa: BLE001 - any read failure ends the connection
                 conn.end(conn.as_connection_error(exc))
+                # As in drainer mode: the socket goes now (kombu may just drop a failed
+                # connection and open another); a writer waiting on it wakes.
+                conn._close_socket(monotonic() + CLOSE_TIMEOUT)
                 if closing:
                     return
                 raise conn.error_for_caller() from exc
@@ -80,3 +83,19 @@ class LockReader:
                 lock.release()
             if deadline is not None and monotonic() >= deadline and not awaitable.ready():
                 raise TimeoutError()
+
+
+def read_frame(conn: Connection, timeout: float | None) -> None:
+    """Legacy: read one frame with py-amqp's transport and dispatch it.
+
+    As py-amqp's ``blocking_read``, except that the header is checked
+    (:func:`~drainer_amqp.framing.check_header`) before the payload is read: a bogus
+    size fails at once instead of waiting for (and buffering) that many bytes.
+    """
+    transport = conn.transport
+    with transport.having_timeout(timeout):
+        header = transport._read(HEADER_SIZE, True)  # a timeout here keeps what it read
+        transport._read_buffer = header + transport._read_buffer  # read_frame reads it again
+        check_header(header, conn.frame_max)
+        frame = transport.read_frame()
+    conn.on_inbound_frame(frame)
