@@ -105,12 +105,13 @@ def test_a_verified_connection_round_trips(
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scheme", ["drainer-amqp", "drainer-amqps"])
 def test_a_verified_kombu_connection_round_trips(
-    no_leaks: None, mode: str, tls_relay: int, ca_file: str
+    no_leaks: None, scheme: str, mode: str, tls_relay: int, ca_file: str
 ) -> None:
     name = unique_name()
     with kombu.Connection(
-        f"drainer-amqp://guest:guest@{HOST}:{tls_relay}//",
+        f"{scheme}://guest:guest@{HOST}:{tls_relay}//",
         ssl=verified(ca_file),
         transport_options={"dedicated_drainer": mode == "drainer", "confirm_publish": True},
     ) as conn:
