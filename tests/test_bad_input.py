@@ -289,13 +289,16 @@ def test_a_method_for_a_channel_never_opened_is_dropped(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_kombu_sees_a_connection_error_it_can_recover_from(mode: str, no_leaks: None) -> None:
-    with fake_broker(frame_max=FRAME_MAX) as broker:
+    """The error is one of kombu's ``connection_errors``, and ``ensure()`` gets a fresh
+    connection (the fake broker answers it) instead of failing the call."""
+    with fake_broker(frame_max=FRAME_MAX, answer_declare=True) as broker:
         conn = kombu.Connection(
             f"drainer-amqp://guest:guest@{broker.hostport}//",
             transport_options={"dedicated_drainer": mode == "drainer"},
         )
         try:
             conn.connect()
+            failed = conn.connection
             channel = conn.default_channel
             channel.basic_consume("q", no_ack=True, consumer_tag="ctag-1", callback=lambda m: None)
             sent = broker.send(frame(8, 0, b"", end=0x00))
@@ -303,5 +306,12 @@ def test_kombu_sees_a_connection_error_it_can_recover_from(mode: str, no_leaks: 
                 conn.drain_events(timeout=JOIN)
             assert monotonic() - sent < ERROR_BOUND
             assert isinstance(info.value, amqp.exceptions.ConnectionError)
+
+            def declare(channel: object) -> object:
+                return channel.queue_declare("q")  # type: ignore[attr-defined]
+
+            ok = conn.ensure(conn, declare, max_retries=2)(conn.default_channel)
+            assert ok.queue == "q"
+            assert conn.connection is not failed and len(broker.clients) == 2
         finally:
             conn.release()

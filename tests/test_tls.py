@@ -26,7 +26,7 @@ import kombu
 import pytest
 import trustme
 from amqp.exceptions import AccessRefused
-from support.broker import BROKER_HOST, drainer_threads, unique_name
+from support.broker import BROKER_HOST, drainer_threads, unique_name, wait_until
 from support.fake_broker import fake_broker, frame
 from support.relays import relay
 
@@ -105,12 +105,13 @@ def test_a_verified_connection_round_trips(
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scheme", ["drainer-amqp", "drainer-amqps"])
 def test_a_verified_kombu_connection_round_trips(
-    no_leaks: None, mode: str, tls_relay: int, ca_file: str
+    no_leaks: None, scheme: str, mode: str, tls_relay: int, ca_file: str
 ) -> None:
     name = unique_name()
     with kombu.Connection(
-        f"drainer-amqp://guest:guest@{HOST}:{tls_relay}//",
+        f"{scheme}://guest:guest@{HOST}:{tls_relay}//",
         ssl=verified(ca_file),
         transport_options={"dedicated_drainer": mode == "drainer", "confirm_publish": True},
     ) as conn:
@@ -234,6 +235,8 @@ def test_credentials_appear_in_no_log_error_or_repr(
             broker.send(frame(8, 0, b"", end=0x00))
             with pytest.raises(conn.connection_errors) as info:
                 conn.drain_events(timeout=TIMEOUT)
+            # py-amqp's transport repr() races a close of its socket: wait for the drainer.
+            assert wait_until(lambda: not inner.drainer_stats()["running"], TIMEOUT)
             things = [info.value, conn, inner, inner._transport, inner.drainer_stats()]
             said.append(everything_said(caplog, *things, conn.as_uri()))
         finally:
