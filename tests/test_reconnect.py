@@ -9,6 +9,7 @@ is left running.
 from __future__ import annotations
 
 import random
+import socket
 import sys
 import threading
 import traceback
@@ -272,5 +273,88 @@ def test_a_reconnect_racing_another_threads_collect_is_recoverable() -> None:
             transport.establish_connection()
         conn.ensure_connection(max_retries=3)  # kombu's retry: a fresh transport connects
         assert conn.connected
+    finally:
+        conn.release()
+
+
+def test_a_failover_after_a_failed_reconnect_leaves_another_threads_new_connection() -> None:
+    """Thread B's reconnect to the first URL fails; before kombu's failover ``switch()``
+    runs in B, thread A (also failing over) connects to the second URL and opens the
+    default channel. B's ``switch()`` then closes "the connection" and its default
+    channel: both are A's live ones. They must stay open, and B must end up on them."""
+    refusing = socket.socket()  # bound, never listening: connections are refused
+    refusing.bind(("127.0.0.1", 0))
+    dead_port = refusing.getsockname()[1]
+    conn = kombu.Connection(
+        f"drainer-amqp://guest:guest@127.0.0.1:{dead_port}//;"
+        "drainer-amqp://guest:guest@127.0.0.1:5672//",
+        transport_options={"dedicated_drainer": True},
+    )
+    drainers_before = set(drainer_threads())
+    b_failed, b_may_switch = threading.Event(), threading.Event()
+    b_errors: list[BaseException] = []
+
+    def hold(exc: BaseException, interval: float) -> None:  # kombu calls it before switch()
+        b_failed.set()
+        b_may_switch.wait(JOIN)
+
+    def thread_b() -> None:
+        try:
+            conn.ensure_connection(errback=hold, max_retries=4, interval_start=0)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            b_errors.append(exc)
+
+    b = threading.Thread(target=thread_b, name="failover-b")
+    b.start()
+    try:
+        assert b_failed.wait(JOIN), "thread B's first reconnect did not fail"
+        conn.ensure_connection(max_retries=4, interval_start=0)  # thread A
+        live = conn.connection
+        channel = conn.default_channel
+        b_may_switch.set()
+        b.join(JOIN)
+        assert not b.is_alive(), "thread B hung"
+        assert not b_errors, b_errors
+        assert live.reason is None, f"B's failover closed A's connection: {live.reason!r}"
+        assert channel.is_open, "B's failover closed A's default channel"
+        assert conn.connection is live, "B opened a second connection"
+        queue = kombu.Queue(unique_name(), auto_delete=False, channel=channel)
+        queue.declare()
+        try:
+            kombu.Producer(channel).publish("after the failover", routing_key=queue.name)
+            assert queue.get(no_ack=True).body == "after the failover"
+        finally:
+            queue.delete()
+    finally:
+        b_may_switch.set()
+        b.join(JOIN)
+        conn.release()
+        refusing.close()
+    assert wait_until(lambda: not set(drainer_threads()) - drainers_before, JOIN)
+
+
+def test_collect_while_handling_an_error_of_the_live_connection_is_not_intentional() -> None:
+    """kombu's ``ensure()`` collects the connection while it handles a recoverable error
+    of that connection (a closed channel, a timeout). The other threads on it must see a
+    recoverable failure and retry, not ``ConnectionClosedIntentionally``; a collect with
+    no error in hand (a pool's teardown) stays intentional."""
+    conn = kombu.Connection(
+        "drainer-amqp://guest:guest@127.0.0.1:5672//",
+        transport_options={"dedicated_drainer": True},
+    )
+    try:
+        conn.ensure_connection(max_retries=3)
+        first = conn.connection
+        try:
+            raise TimeoutError("a wait on the live connection timed out")
+        except TimeoutError:
+            conn.collect()  # as kombu's ensure() does
+        assert isinstance(first.reason, tuple(conn.recoverable_connection_errors))
+        assert not isinstance(first.reason, ConnectionClosedIntentionally)
+        conn.ensure_connection(max_retries=3)
+        second = conn.connection
+        assert second is not first
+        conn.collect()
+        assert isinstance(second.reason, ConnectionClosedIntentionally)
     finally:
         conn.release()

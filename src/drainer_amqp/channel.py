@@ -31,6 +31,7 @@ from amqp.serialization import dumps
 from kombu.transport import pyamqp
 from vine import promise
 
+from .errors import in_failover_after_another, tag
 from .sync import Waiter
 from .waits import Confirms
 
@@ -84,6 +85,14 @@ class Channel(pyamqp.Channel):
                 raise ended.error_for_caller()
         return conn
 
+    def _closed_error(self) -> BaseException:
+        """A publish on a closed channel: recoverable, naming the connection the channel
+        was on (so kombu's cleanup after it leaves a newer connection alone)."""
+        error = RecoverableConnectionError("basic_publish: channel closed")
+        if self._ended_connection is not None:
+            tag(error, self._ended_connection)
+        return error
+
     def collect(self) -> None:
         self._ended_connection = self.connection or self._ended_connection
         super().collect()
@@ -95,6 +104,8 @@ class Channel(pyamqp.Channel):
             self.is_open = False
             self.collect()
             return None
+        if in_failover_after_another(conn):
+            return None  # kombu's failover would close another thread's default channel
         return super().close(*args, **kwargs)
 
     # -- waiting for replies ---------------------------------------------------------
@@ -308,7 +319,7 @@ class Channel(pyamqp.Channel):
     ) -> int:
         conn = self._live_conn()
         if conn is None:
-            raise RecoverableConnectionError("basic_publish: connection closed")
+            raise self._closed_error()
         if self._close_error is not None:
             self._raise_channel_error(conn, self._close_error)
         conn.wait_unblocked(timeout)
@@ -356,7 +367,7 @@ class Channel(pyamqp.Channel):
         nack) for at most ``confirm_timeout or timeout`` seconds."""
         conn = self._live_conn()
         if conn is None:
-            raise RecoverableConnectionError("basic_publish: connection closed")
+            raise self._closed_error()
         if not self._confirm_selected:
             self._confirm_selected = True
             self.confirm_select()

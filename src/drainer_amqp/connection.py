@@ -58,7 +58,7 @@ from amqp.method_framing import frame_writer as amqp_frame_writer
 from .channel import CLOSE_TIMEOUT, Channel
 from .drainer import Drainer
 from .encoding import PublishEncoder
-from .errors import ConnectionBlocked, ConnectionClosedIntentionally, ConnectionLost
+from .errors import ConnectionBlocked, ConnectionClosedIntentionally, ConnectionLost, tag
 from .framing import Frame
 from .reading import LockReader, Reader
 from .sync import FairRLock, Waiter
@@ -264,7 +264,7 @@ class Connection(amqp.Connection):
         self._told = True
         error = copy.copy(reason)
         error.__cause__ = reason.__cause__
-        error.drainer_connection = weakref.ref(self)  # type: ignore[attr-defined]
+        tag(error, self)
         return error
 
     def wait_unblocked(self, timeout: float | None) -> None:

@@ -10,11 +10,20 @@ Many threads, one ``kombu.Connection``: when a link fails, every thread on it se
 failure, and each one's ``ensure()`` calls ``collect()`` and reconnects. Two rules keep
 that converging on one live connection:
 
-* A ``collect()`` by a thread whose error came from *another* connection than the one
-  kombu now holds (a thread that was slower to notice the failure, while another one
-  already reconnected) leaves the live connection alone.
+* kombu's cleanup in a thread whose error came from *another* connection than the one
+  kombu now holds leaves the live connection alone: a ``collect()`` by a thread that was
+  slower to notice the failure while another one already reconnected, and a failover's
+  ``switch()`` after this thread's own reconnect failed (it would close the live
+  connection and its default channel). kombu then forgets the live connection, and the
+  thread's next reconnect takes it up again (below).
 * Reconnects of one ``kombu.Connection`` are serialised: a thread that reconnects after
   another one already did gets that live connection instead of opening one more.
+
+A ``collect()`` that kombu makes while it handles a recoverable connection error of the
+live connection (``ensure()``, ``autoretry``) ends it as failed, not as closed
+intentionally: the other threads on it see a recoverable error and retry. Only
+``close()``/``release()``, or a ``collect()`` with no such error (a pool's teardown),
+closes intentionally.
 
 kombu's event loop (the Hub, used by the Celery worker): in drainer mode the socket
 belongs to the drainer thread, so the Hub watches :meth:`Connection.inbox_fileno`
@@ -33,6 +42,7 @@ from amqp.exceptions import RecoverableConnectionError
 from kombu.transport import TRANSPORT_ALIASES, pyamqp
 
 from .connection import Connection as DrainerConnection
+from .errors import ConnectionLost, handling_error_from_another, in_failover_after_another, tag
 
 __all__ = ["SSLTransport", "Transport"]
 
@@ -60,18 +70,33 @@ class Transport(pyamqp.Transport):
             current = _live.get(client)
             if current is not None and current.reason is None and current.connected:
                 return current  # another thread of this kombu.Connection reconnected first
-            connection: DrainerConnection = super().establish_connection()
+            try:
+                connection: DrainerConnection = super().establish_connection()
+            except Exception as exc:
+                # Names the connection this attempt was to replace: a connection that
+                # another thread opens after it is newer (see in_failover_after_another).
+                tag(exc, current, reconnect_failed=True)
+                raise
             with _live_lock:
                 _live[client] = connection
             return connection
+
+    def close_connection(self, connection: DrainerConnection) -> None:
+        if in_failover_after_another(connection):
+            return  # another thread's live connection: not this failover's to close
+        super().close_connection(connection)
 
     def _collect(self, connection: DrainerConnection | None) -> None:
         if connection is None:
             return
         error = sys.exc_info()[1]  # kombu's ensure() collects while handling an error
-        origin = getattr(error, "drainer_connection", None)
-        if connection.reason is None and origin is not None and origin() is not connection:
-            return  # stale: this thread's error came from a connection already replaced
+        if connection.reason is None and error is not None:
+            if handling_error_from_another(connection):
+                return  # stale: this thread's error came from a connection already replaced
+            if isinstance(error, self.recoverable_connection_errors):
+                lost = ConnectionLost(f"collected after a recoverable error: {error!r}")
+                lost.__cause__ = error
+                connection.end(lost)  # a failure for the other threads, not a close
         connection.collect()
 
     def register_with_event_loop(self, connection: DrainerConnection, loop: Any) -> None:
