@@ -18,13 +18,13 @@ import contextlib
 import json
 import os
 import random
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from support.toxiproxy.server import ToxiproxyServer
 from toxiproxy import Toxiproxy
 
 from .faults import KINDS, Broker, default_broker_ctl
@@ -56,17 +56,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def toxiproxy_client() -> Iterator[tuple[Any, str]]:
-    """A ``toxiproxy-python`` client: of ``TOXIPROXY_URL``, or of a server started here."""
+    """A ``toxiproxy-python`` client: of ``TOXIPROXY_URL``, or of the tests' own server
+    started in a child process (so that its memory and threads are not the soak's)."""
     url = os.environ.get("TOXIPROXY_URL")
-    server = None if url else ToxiproxyServer("127.0.0.1", 0).start()
+    server = None
+    if not url:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "soak.proxy_process"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert server.stdout is not None
+        url = server.stdout.readline().strip()
     try:
-        parts = urlsplit(url or server.url)  # type: ignore[union-attr]
+        if not url:
+            raise RuntimeError("the built-in proxy did not start")
+        parts = urlsplit(url)
         client = Toxiproxy()
         client.update_api_consumer(parts.hostname or "127.0.0.1", parts.port or 8474)
-        yield client, url or "built-in"
+        yield client, "built-in" if server is not None else url
     finally:
         if server is not None:
-            server.stop()
+            assert server.stdin is not None
+            server.stdin.close()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(5)
 
 
 @contextlib.contextmanager

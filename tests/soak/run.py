@@ -208,9 +208,13 @@ def _run(scenario: str, mode: str, broker: Broker, toxiproxy: Any, opts: Options
     ledger, progress, raised = Ledger(nthreads), Progress(), Raised()
     rss = RssSampler()
     result: dict[str, Any] = {"scenario": scenario, "mode": mode, "seed": opts.seed}
+    conn: kombu.Connection | None = None
+    stop = threading.Event()
+    released = declared = False
     try:
         before = snapshot(ports)
         _declare(broker, queues)
+        declared = True
         conn = make_connection(mode, f"amqp://guest:guest@127.0.0.1:{port}//", name, opts.heartbeat)
         shared = Shared(
             conn,
@@ -219,6 +223,7 @@ def _run(scenario: str, mode: str, broker: Broker, toxiproxy: Any, opts: Options
             raised,
             queues,
             opts.rate,
+            stop=stop,
             lock=threading.RLock() if mode == "stock" else None,
         )
         conn.ensure_connection(max_retries=3)
@@ -253,9 +258,11 @@ def _run(scenario: str, mode: str, broker: Broker, toxiproxy: Any, opts: Options
         hung = [w for w in workers if not w.join(max(deadline - monotonic(), 0.0))]
         hung_stacks = thread_stacks([w.thread for w in hung])
         release_error = _release(conn)
+        released = True
         for worker in hung:  # a call the release woke up
             worker.join(5)
         drained = _drain(broker, queues, ledger)
+        declared = False
         rss.stop()
         after = settled(before, ports)
         by_type = raised.by_type()
@@ -298,16 +305,24 @@ def _run(scenario: str, mode: str, broker: Broker, toxiproxy: Any, opts: Options
                 "fds_leaked": max(after.fds - before.fds, 0),
                 "sockets_left": max(after.sockets - before.sockets, 0),
                 "rss_slope_mb_per_min": round(rss.slope(warmup), 3),
+                "rss_slope_second_half_mb_per_min": round(rss.slope(opts.seconds / 2), 3),
                 "rss_peak_mb": round(rss.peak(), 1),
                 "rss_mb": [[round(t), round(mb, 1)] for t, mb in rss.samples[::10]],
             }
         )
         result["targets"] = targets(result)
         return result
-    finally:
+    finally:  # after a failure of the soak itself: stop and clean up what is left
+        stop.set()
         rss.stop()
-        _undo_all(proxy, broker)
-        proxy.destroy()
+        try:
+            _undo_all(proxy, broker)
+        finally:
+            proxy.destroy()
+            if conn is not None and not released:
+                _release(conn)
+            if declared:
+                _drain(broker, queues, ledger)
 
 
 def _undo_all(proxy: Any, broker: Broker) -> None:
