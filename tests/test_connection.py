@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+from collections.abc import Callable
 
 import amqp
 import kombu
@@ -14,6 +16,7 @@ from support.broker import (
     BROKER_HOST,
     JOIN,
     broker_connection_names,
+    close_broker_connections,
     drainer_threads,
     run_threads,
     unique_name,
@@ -22,6 +25,7 @@ from support.broker import (
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
+from drainer_amqp.channel import CLOSE_TIMEOUT
 
 MODES = ["legacy", "drainer"]
 
@@ -309,8 +313,6 @@ def test_broker_side_close_is_noticed_at_once(connect, queue) -> None:
     thread = threading.Thread(target=waiter, name="waiter")
     thread.start()
     assert waiting.wait(5)
-    from support.broker import close_broker_connections
-
     assert close_broker_connections(port, "test: broker-side close") == 1
     thread.join(JOIN)
     assert not thread.is_alive()
@@ -321,6 +323,45 @@ def test_broker_side_close_is_noticed_at_once(connect, queue) -> None:
     assert not conn.drainer_stats()["running"]
     with pytest.raises(recoverable):
         channel.basic_publish(amqp.Message(b"x"), routing_key=queue)
+
+
+def test_legacy_broker_close_while_a_publisher_waits_for_the_reader(connect, queue) -> None:
+    """Legacy mode: thread R is blocked reading (it holds the transport lock) and thread
+    P's publish waits for that lock to write. The broker closes the connection: R reads
+    Connection.Close and py-amqp writes CloseOk from R. That reply must not wait for P's
+    write, which waits for R: both threads get the broker's error."""
+    conn = connect("legacy")
+    channel = conn.channel()
+    port = conn.sock.getsockname()[1]
+    errors: dict[str, BaseException] = {}
+
+    def record(name: str, call: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                errors[name] = exc
+
+        return run
+
+    reader = threading.Thread(
+        target=record("reader", lambda: conn.drain_events(timeout=60)), name="reader"
+    )
+    reader.start()
+    assert wait_until(lambda: conn.reader.reading, JOIN), "the reader did not start reading"
+    publish = record("publisher", lambda: channel.basic_publish(amqp.Message(b"x"), "", queue))
+    publisher = threading.Thread(target=publish, name="publisher")
+    publisher.start()
+    assert conn.writer is not None
+    assert wait_until(lambda: conn.writer.busy, JOIN), "the publish did not wait to write"
+    assert close_broker_connections(port, "test: broker-side close") == 1
+    reader.join(JOIN)
+    publisher.join(JOIN)
+    assert not reader.is_alive() and not publisher.is_alive(), "deadlock"
+    recoverable = drainer_amqp.Transport.recoverable_connection_errors
+    assert isinstance(errors.get("reader"), recoverable), errors
+    # The publish may have been written before the close was read; if not, it knows.
+    assert "publisher" not in errors or isinstance(errors["publisher"], recoverable), errors
 
 
 # -- intentional close ------------------------------------------------------------------------
@@ -337,7 +378,7 @@ def test_close_wakes_every_waiter_with_closed_intentionally(connect, mode: str) 
         ready.wait()
         while True:
             try:
-                conn.drain_events(timeout=1 if mode == "legacy" else 30)
+                conn.drain_events(timeout=60)  # legacy: blocked in a read all along
             except TimeoutError:
                 pass
 
@@ -348,10 +389,13 @@ def test_close_wakes_every_waiter_with_closed_intentionally(connect, mode: str) 
     )
     runner.start()
     ready.wait()
+    started = time.monotonic()
     conn.close()
+    took = time.monotonic() - started
     runner.join(JOIN)
     assert not runner.is_alive()
     assert all(isinstance(e, ConnectionClosedIntentionally) for e in results[0]), results
+    assert took < CLOSE_TIMEOUT, f"close() took {took:.1f}s, beyond its deadline"
     with pytest.raises(ConnectionClosedIntentionally):
         conn.drain_events(timeout=1)
     with pytest.raises(ConnectionClosedIntentionally):

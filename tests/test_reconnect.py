@@ -27,7 +27,9 @@ from support.broker import (
     wait_until,
 )
 
+import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally
+from drainer_amqp import transport as drainer_transport
 
 THREADS = 8
 FAULTS = 6
@@ -298,7 +300,7 @@ def test_a_failover_after_a_failed_reconnect_leaves_another_threads_new_connecti
         assert b_failed.wait(JOIN), "thread B's first reconnect did not fail"
         conn.ensure_connection(max_retries=4, interval_start=0)  # thread A
         live = conn.connection
-        channel = conn.default_channel
+        channel: Any = conn.default_channel
         b_may_switch.set()
         b.join(JOIN)
         assert not b.is_alive(), "thread B hung"
@@ -344,5 +346,47 @@ def test_collect_while_handling_an_error_of_the_live_connection_is_not_intention
         assert second is not first
         conn.collect()
         assert isinstance(second.reason, ConnectionClosedIntentionally)
+    finally:
+        conn.release()
+
+
+def test_a_reconnect_waiting_for_another_threads_reconnect_survives_a_collect() -> None:
+    """Thread A's reconnect waits for thread B's (they take turns); meanwhile thread C's
+    ``ensure()`` calls ``collect()``, which detaches A's transport. A then gets B's live
+    connection or an error kombu retries, never an AttributeError from the detached
+    transport."""
+    conn = kombu.Connection(
+        "amqp://guest:guest@127.0.0.1:5672//",
+        transport="drainer_amqp:Transport",
+        transport_options={"dedicated_drainer": True},
+    )
+    outcome: list[object] = []
+
+    def reconnect_a() -> None:
+        try:
+            outcome.append(transport.establish_connection())
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            outcome.append(exc)
+
+    try:
+        conn.ensure_connection(max_retries=3)
+        transport = conn.transport
+        turns = drainer_transport._reconnect_locks[conn]
+        waiting = drainer_transport.Transport.establish_connection.__code__
+        with turns:  # thread B is reconnecting
+            a = threading.Thread(target=reconnect_a, name="reconnect-a")
+            a.start()
+            assert wait_until(
+                lambda: getattr(sys._current_frames().get(a.ident or 0), "f_code", None) is waiting,
+                JOIN,
+            ), "thread A does not wait for B's turn"
+            conn.collect()  # thread C
+        a.join(JOIN)
+        assert not a.is_alive(), "thread A hung"
+        got = outcome[0]
+        if isinstance(got, drainer_amqp.Connection):
+            got.close()
+        else:
+            assert isinstance(got, tuple(conn.recoverable_connection_errors)), repr(got)
     finally:
         conn.release()

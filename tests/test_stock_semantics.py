@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from time import monotonic
 from typing import Any
@@ -13,7 +14,13 @@ import pytest
 from amqp.exceptions import AMQPError, AMQPNotImplementedError
 from amqp.method_framing import frame_writer as amqp_frame_writer
 from kombu.transport import pyamqp
-from support.broker import BROKER_HOST, close_broker_connections, unique_name, wait_until
+from support.broker import (
+    BROKER_HOST,
+    JOIN,
+    close_broker_connections,
+    unique_name,
+    wait_until,
+)
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
@@ -268,3 +275,53 @@ def test_a_forked_child_gets_connection_lost_and_the_parent_keeps_its_link(
         os.waitpid(pid, 0)
     channel.basic_publish(amqp.Message("from parent"), routing_key=queue)
     assert wait_until(lambda: channel.queue_declare(queue, passive=True).message_count == 1, 5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_new_consumers_first_deliveries_are_not_rejected(
+    mode: str, connect: Callable[..., Any]
+) -> None:
+    """Another thread is in ``drain_events()`` while this one calls ``basic_consume`` on
+    a queue that holds messages. The first deliveries may reach the draining thread before
+    this one wakes from ``ConsumeOk``; they go to the new consumer, in order, and none is
+    rejected and redelivered for want of a callback. Five rounds: the race is narrow."""
+    for round_ in range(5):
+        conn = connect(mode)
+        channel = conn.channel()
+        queue = unique_name()
+        channel.queue_declare(queue, auto_delete=False)
+        for i in range(COUNT):
+            channel.basic_publish(amqp.Message(str(i)), "", queue)
+        got: list[Any] = []
+        all_in, stop = threading.Event(), threading.Event()
+
+        def on_message(message: Any, got: list[Any] = got, done: Any = all_in) -> None:
+            got.append(message)
+            if len(got) == COUNT:
+                done.set()
+
+        def drain(conn: Any = conn, stop: Any = stop) -> None:
+            while not stop.is_set():
+                try:
+                    conn.drain_events(timeout=0.05)
+                except TimeoutError:
+                    pass
+
+        drainer = threading.Thread(target=drain, name="drain-while-consuming")
+        drainer.start()
+        try:
+            conn.channel().basic_consume(
+                queue, consumer_tag="first", no_ack=True, callback=on_message
+            )
+            assert all_in.wait(JOIN), f"round {round_}: {len(got)} of {COUNT} arrived"
+        finally:
+            stop.set()
+            drainer.join(JOIN)
+            channel.queue_delete(queue)
+            conn.close()
+        assert not drainer.is_alive()
+        assert [m.body for m in got] == [str(i) for i in range(COUNT)]
+        assert not [m for m in got if m.delivery_info["redelivered"]]
+
+
+COUNT = 300

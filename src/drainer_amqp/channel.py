@@ -212,6 +212,29 @@ class Channel(pyamqp.Channel):
             self._prepared.pop(threading.get_ident(), None)
             self._forget(conn, waiter)
 
+    def basic_consume(
+        self, queue: str = "", consumer_tag: str = "", *args: Any, **kwargs: Any
+    ) -> Any:
+        """As py-amqp's, but a consumer with its own tag (kombu always gives one) gets its
+        callbacks before ``Basic.Consume`` is written: the broker's first deliveries can
+        reach a thread in ``drain_events()`` before this thread wakes from ``ConsumeOk``,
+        and py-amqp would reject (requeue) them for want of a callback."""
+        if not consumer_tag:
+            return super().basic_consume(queue, consumer_tag, *args, **kwargs)
+        names = ("no_local", "no_ack", "exclusive", "nowait", "callback", "arguments")
+        given = dict(zip(names, args, strict=False), **kwargs)
+        callback, on_cancel = given.get("callback"), given.get("on_cancel")
+        self.callbacks[consumer_tag] = callback
+        if on_cancel is not None:
+            self.cancel_callbacks[consumer_tag] = on_cancel
+        try:
+            return super().basic_consume(queue, consumer_tag, *args, **kwargs)
+        except BaseException:
+            if self.callbacks.get(consumer_tag) is callback:
+                self.callbacks.pop(consumer_tag, None)
+                self.cancel_callbacks.pop(consumer_tag, None)
+            raise
+
     def basic_cancel(self, consumer_tag: str, nowait: bool = False, argsig: str = "sb") -> Any:
         """As py-amqp's; then runs, in this thread, the consumer's deliveries that arrived
         before ``CancelOk`` and are still queued (py-amqp runs them while it waits)."""

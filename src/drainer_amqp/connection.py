@@ -134,6 +134,11 @@ class Connection(amqp.Connection):
         self._drainer: Drainer | None = None
         self._closed_ok: Waiter | None = None  # set by close() while it waits for CloseOk
         self._lock_held = 0.0  # seconds the drainer held the transport lock (stats)
+        # The thread reading and dispatching frames now, under the transport lock (the
+        # drainer, or a legacy reader). Replies py-amqp writes from there (CloseOk, a
+        # channel's CloseOk) must not wait for another thread's flush: in legacy mode
+        # that flusher waits for the transport lock this thread holds.
+        self.dispatching: int | None = None
         self._init_locks()
         super().__init__(*args, **kwargs)
         # A caller's own frame_writer is kept: it encodes, the Writer sends.
@@ -169,7 +174,9 @@ class Connection(amqp.Connection):
     def _write_frame(
         self, type_: int, channel: int, method_sig: Any, args: Any, content: Any
     ) -> None:
-        self.send_frames(channel, method_sig, args, content, type_=type_)
+        # Heartbeats and the reader's own replies are appended without waiting.
+        block = type_ != 8 and self.dispatching != threading.get_ident()
+        self.send_frames(channel, method_sig, args, content, type_=type_, block=block)
 
     def send_frames(
         self,
@@ -181,9 +188,12 @@ class Connection(amqp.Connection):
         number: Callable[[], Any] | None = None,
         timeout: float | None = None,
         type_: int = 1,
+        block: bool = True,
     ) -> None:
         """Encode one method (with its content, if any) and send its frames whole, after
-        everything sent before; ``number`` runs in write order (delivery tags)."""
+        everything sent before; ``number`` runs in write order (delivery tags).
+        ``block=False``: return once appended if another thread is flushing (see
+        :meth:`Writer.send`)."""
         writer = self.writer
         if writer is None:
             raise self.error_for_caller()
@@ -191,7 +201,7 @@ class Connection(amqp.Connection):
         with self._encode_lock:
             self._encode(type_, channel, method_sig, args, content)
             chunks, collector.chunks = collector.chunks, []
-        writer.send(chunks, number=number, timeout=timeout, block=type_ != 8)
+        writer.send(chunks, number=number, timeout=timeout, block=block)
 
     def send_encoded(
         self,
@@ -354,7 +364,9 @@ class Connection(amqp.Connection):
 
         Idempotent and safe from any thread. On a live connection every waiting thread
         wakes with :class:`ConnectionClosedIntentionally`; on one that has already ended
-        it only releases the resources, and the failure stays the reason."""
+        it only releases the resources, and the failure stays the reason. In legacy mode,
+        while another thread is blocked reading the socket, it closes the socket without
+        the handshake (the broker logs an unexpected close)."""
         deadline = monotonic() + CLOSE_TIMEOUT
         if not self._close_lock.acquire(timeout=CLOSE_TIMEOUT):
             return  # another thread is closing it, within the same bound
@@ -362,7 +374,10 @@ class Connection(amqp.Connection):
             intentional = ConnectionClosedIntentionally("connection closed by close()")
             if self._transport is None:
                 return  # released already
-            if self.reason is None and self._transport.connected:
+            # A legacy reader blocked in a read holds the transport lock until the read
+            # returns (up to its drain timeout, or for ever): writing Connection.Close
+            # would wait for it. Only the socket's shutdown below cuts that read short.
+            if self.reason is None and self._transport.connected and not self.reader.reading:
                 closed_ok = Waiter()
                 self._closed_ok = closed_ok
                 self.is_closing = True
@@ -418,10 +433,12 @@ class Connection(amqp.Connection):
         on_frame = self.on_inbound_frame
         with self.transport_lock:
             start = perf_counter()
+            self.dispatching = threading.get_ident()
             try:
                 for frame in frames:
                     on_frame(frame)
             finally:
+                self.dispatching = None
                 self._lock_held += perf_counter() - start
 
     def try_send_heartbeat(self) -> bool:

@@ -118,6 +118,9 @@ class Drainer:
     def is_alive(self) -> bool:
         return self.thread.is_alive()
 
+    #: The Reader seam: no caller's thread ever reads, so none can hold up a close().
+    reading = False
+
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         """The :class:`~drainer_amqp.reading.Reader` seam: this thread reads, so a caller
         only sleeps until ``awaitable`` is ready; ``TimeoutError`` at ``deadline``."""

@@ -14,6 +14,7 @@ shared by both modes.
 
 from __future__ import annotations
 
+import threading
 from time import monotonic
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,6 +29,10 @@ __all__ = ["LockReader", "Reader"]
 
 
 class Reader(Protocol):
+    #: A caller's thread is blocked in a socket read that only the socket's shutdown can
+    #: cut short (legacy mode). close() then tears down without the handshake.
+    reading: bool
+
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         """Return once ``awaitable`` is ready; ``TimeoutError`` at ``deadline``. Raises
         the connection's reason if it ended (unless ``closing``: close() waits for
@@ -40,6 +45,7 @@ class LockReader:
 
     def __init__(self, connection: Connection) -> None:
         self._conn = connection
+        self.reading = False  # set by the transport lock's holder around its read
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         conn = self._conn
@@ -56,7 +62,13 @@ class LockReader:
                 if not closing:
                     conn.raise_if_ended()
                 remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
-                conn.blocking_read(remaining)  # at least one read, even at the deadline
+                self.reading = True
+                conn.dispatching = threading.get_ident()
+                try:
+                    conn.blocking_read(remaining)  # at least one read, even at the deadline
+                finally:
+                    self.reading = False
+                    conn.dispatching = None
             except TimeoutError:
                 raise TimeoutError() from None
             except (OSError, AMQPError) as exc:

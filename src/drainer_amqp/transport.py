@@ -70,6 +70,8 @@ class Transport(pyamqp.Transport):
             current = _live.get(client)
             if current is not None and current.reason is None and current.connected:
                 return current  # another thread of this kombu.Connection reconnected first
+            if self.client is None:  # detached while this thread waited for the lock
+                raise RecoverableConnectionError("reconnect raced a collect(); retry")
             try:
                 connection: DrainerConnection = super().establish_connection()
             except Exception as exc:

@@ -86,7 +86,8 @@ class Writer:
 
         ``number`` is called under the writer's lock just before the append, so what it
         numbers (delivery tags) follows the write order. ``block=False`` appends even
-        when the buffer is over its limit (heartbeats, from the drainer). Raises the
+        when the buffer is over its limit, and returns at once when another thread is
+        flushing (heartbeats, and the replies of the thread that reads). Raises the
         connection's reason after :meth:`fail`, ``TimeoutError`` when no room came
         within ``timeout``, or the socket's error when this thread's write failed.
         """
