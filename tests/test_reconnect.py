@@ -9,6 +9,7 @@ is left running.
 from __future__ import annotations
 
 import random
+import sys
 import socket
 import threading
 import traceback
