@@ -9,8 +9,8 @@ is left running.
 from __future__ import annotations
 
 import random
-import sys
 import socket
+import sys
 import threading
 import traceback
 from collections import Counter
