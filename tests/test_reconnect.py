@@ -18,9 +18,15 @@ from collections.abc import Callable
 from typing import Any
 
 import kombu
-import psutil
 import pytest
-from support.broker import JOIN, drainer_threads, unique_name, wait_until
+from support.broker import (
+    JOIN,
+    drainer_threads,
+    sockets_to,
+    thread_stacks,
+    unique_name,
+    wait_until,
+)
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally
@@ -34,23 +40,6 @@ RETRY_POLICY = {
     "interval_step": 0.1,
     "interval_max": 0.5,
 }
-
-
-def _stacks(threads: list[threading.Thread]) -> str:
-    frames = sys._current_frames()
-    return "\n".join(
-        f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
-        for t in threads
-        if t.is_alive() and t.ident in frames
-    )
-
-
-def _sockets_to(port: int) -> list[Any]:
-    return [
-        c
-        for c in psutil.Process().net_connections(kind="tcp")
-        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
-    ]
 
 
 Publish = Callable[[str], None]
@@ -100,7 +89,7 @@ class Publishers:
             t.join(JOIN)
         if exc_type is None:  # else the failure in the block is the one to report
             assert not any(t.is_alive() for t in self._threads), (
-                f"a publisher hung: {_stacks(self._threads)}"
+                f"a publisher hung: {thread_stacks(self._threads)}"
             )
 
     def progressed(self) -> bool:
@@ -131,8 +120,8 @@ def _assert_released(conn: kombu.Connection, drainers_before: set[Any], ports: l
     assert wait_until(lambda: not (set(drainer_threads()) - drainers_before), 5), (
         f"drainer threads left after release(): {set(drainer_threads()) - drainers_before}"
     )
-    assert wait_until(lambda: not any(_sockets_to(port) for port in ports), 5), (
-        f"sockets to the broker left after release(): {[_sockets_to(p) for p in ports]}"
+    assert wait_until(lambda: not any(sockets_to(port) for port in ports), 5), (
+        f"sockets to the broker left after release(): {[sockets_to(p) for p in ports]}"
     )
 
 

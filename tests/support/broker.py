@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +30,8 @@ __all__ = [
     "broker_connection_names",
     "close_broker_connections",
     "no_leaks",
+    "sockets_to",
+    "thread_stacks",
     "unique_name",
     "wait_until",
 ]
@@ -86,6 +90,25 @@ def close_broker_connections(local_port: int, reason: str = "closed by test") ->
 def drainer_threads() -> list[threading.Thread]:
     """The library's reader threads alive in this process."""
     return [t for t in threading.enumerate() if t.name.startswith("drainer-amqp-")]
+
+
+def sockets_to(port: int) -> list[Any]:
+    """This process's established TCP sockets whose remote port is ``port``."""
+    return [
+        c
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    ]
+
+
+def thread_stacks(threads: list[threading.Thread]) -> str:
+    """The current stack of each live thread in ``threads``, for a hang report."""
+    frames = sys._current_frames()
+    return "\n".join(
+        f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
+        for t in threads
+        if t.is_alive() and t.ident in frames
+    )
 
 
 @pytest.fixture
