@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create the environment and run the soak: one kombu connection shared by many threads
 # through a fault proxy, a fault every few seconds, for SOAK_SECONDS per run (default
-# 300: the four runs take about 22 minutes). Runs scenario A (20 threads) with the
+# 600: the four runs take about 42 minutes; scripts/bench.sh runs it last). Runs scenario A (20 threads) with the
 # drainer, in legacy mode and with stock kombu behind one lock, and scenario B
 # (8 retrying publishers). Prints one line per run and a summary; writes
 # bench-results/soak.json. With RabbitMQ installed locally it starts a node of its own,
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test,bench]'
-args=(--seconds "${SOAK_SECONDS:-300}" --out bench-results/soak.json)
+args=(--seconds "${SOAK_SECONDS:-600}" --out bench-results/soak.json)
 if [ "${SOAK_OWN_NODE:-1}" = 1 ] && [ -x "${RABBITMQ_BIN:-/usr/lib/rabbitmq/bin}/rabbitmq-server" ]; then
   args+=(--own-node)
 fi
