@@ -57,8 +57,11 @@ def _check(result: FailoverResult) -> None:
     assert not result.errors, result.errors
     assert result.t_resumed is not None, "no confirm through another node"
     assert result.new_ports and result.old_port not in result.new_ports
-    lost = sorted(result.lost)
-    assert not lost, f"{len(lost)} confirmed messages not consumed, e.g. {lost[:5]}"
+    unconsumed = sorted(result.unconsumed)
+    assert not unconsumed, (
+        f"{len(unconsumed)} confirmed messages not consumed, e.g. {unconsumed[:5]}; "
+        f"{len(result.lost)} of them not in the queue either"
+    )
     assert not result.old_drainer_left, "the old connection's drainer thread is still alive"
     assert result.drainers_after_release == 0, "drainer threads left after release()"
 

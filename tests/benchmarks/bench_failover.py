@@ -57,6 +57,7 @@ def test_failover_time(rabbit_cluster: RabbitCluster, bench_report: Collector) -
                     fmt_ms(percentile(own, 50)) if own else "-",
                     fmt_ms(max(own)) if own else "-",
                     str(sum(bool(r.errors) for r in mine)),
+                    str(sum(len(r.unconsumed) for r in mine)),
                     str(sum(len(r.lost) for r in mine)),
                     str(sum(r.duplicates for r in mine)),
                 ]
@@ -75,6 +76,7 @@ def test_failover_time(rabbit_cluster: RabbitCluster, bench_report: Collector) -
                 "max",
                 "rounds with errors",
                 "confirmed not consumed",
+                "of them not in the queue",
                 "duplicates",
             ],
             rows=rows,

@@ -22,6 +22,7 @@ stops them with an event, and joins each within ``JOIN`` seconds.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -74,6 +75,8 @@ class FailoverResult:
     t_resumed: float | None = None  #: first confirm through another node after it
     confirmed: dict[str, int] = field(default_factory=dict)  #: body -> port confirmed on
     consumed: Counter[str] = field(default_factory=Counter)
+    #: confirmed but not consumed, and still in the queue at the end (the consumer ended)
+    left_in_queue: set[str] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)  #: what a thread raised (retries exhausted)
     error_types: Counter[str] = field(default_factory=Counter)  #: errors kombu retried
     hung: list[str] = field(default_factory=list)
@@ -83,8 +86,13 @@ class FailoverResult:
     new_ports: set[int] = field(default_factory=set)
 
     @property
-    def lost(self) -> set[str]:
+    def unconsumed(self) -> set[str]:
         return set(self.confirmed) - set(self.consumed)
+
+    @property
+    def lost(self) -> set[str]:
+        """Confirmed, never consumed, and not in the queue either."""
+        return self.unconsumed - self.left_in_queue
 
     @property
     def duplicates(self) -> int:
@@ -110,8 +118,9 @@ class FailoverResult:
             f"{self.client}/{self.fault}: failover {ms(self.failover_s)} after the command, "
             f"{ms(self.after_error_s)} after the first error; confirmed {len(self.confirmed)}, "
             f"consumed {len(self.consumed)} distinct, {self.duplicates} duplicates, "
-            f"lost {len(self.lost)}; retried errors {dict(self.error_types)}; "
-            f"raised {len(self.errors)}"
+            f"unconsumed {len(self.unconsumed)} (of them lost {len(self.lost)}, "
+            f"left in the queue {len(self.left_in_queue)}); "
+            f"retried errors {dict(self.error_types)}; raised {len(self.errors)}"
         )
 
 
@@ -144,8 +153,8 @@ def declare_quorum_queue(node: RabbitNode, name: str) -> kombu.Queue:
     return queue
 
 
-def delete_queue(cluster: RabbitCluster, name: str) -> None:
-    """Delete ``name`` through any node that is up."""
+def delete_queue(cluster: RabbitCluster, name: str) -> set[str]:
+    """Delete ``name`` through any node that is up; return the (raw) bodies left in it."""
     for node in cluster.nodes:
         try:
             conn = amqp.Connection(f"127.0.0.1:{node.port}", connect_timeout=5)
@@ -153,10 +162,16 @@ def delete_queue(cluster: RabbitCluster, name: str) -> None:
         except (OSError, amqp.AMQPError):
             continue
         try:
-            conn.channel().queue_delete(name)
-            return
+            channel = conn.channel()
+            left: set[str] = set()
+            while (message := channel.basic_get(name, no_ack=True)) is not None:
+                body = message.body.decode() if isinstance(message.body, bytes) else message.body
+                left.add(body)
+            channel.queue_delete(name)
+            return left
         finally:
             conn.close()
+    return set()
 
 
 def _format(exc: BaseException) -> str:
@@ -332,5 +347,5 @@ def run_failover(
         if shared is not None:
             wait_until(lambda: not (set(drainer_threads()) - drainers_before), 10)
             result.drainers_after_release = len(set(drainer_threads()) - drainers_before)
-        delete_queue(cluster, name)
+        result.left_in_queue = {json.loads(body) for body in delete_queue(cluster, name)}
     return result
