@@ -73,9 +73,10 @@ SWITCH_BUG_REASON = (
     "AttributeError (Consumer.__exit__: channel.connection.client is None; "
     "establish_connection: self.client is None), and confirmed messages are not consumed"
 )
-#: A race: observed failing in every run after a kill, in most (not all) after stop_app.
+#: Not strict: a race, hit in most runs but not all (each case has passed once in about
+#: ten runs), so a strict mark would make the module flaky. Remove after the fix.
 XFAIL = {
-    ("drainer", "kill"): pytest.mark.xfail(strict=True, reason=SWITCH_BUG_REASON),
+    ("drainer", "kill"): pytest.mark.xfail(strict=False, reason=SWITCH_BUG_REASON),
     ("drainer", "stop_app"): pytest.mark.xfail(strict=False, reason=SWITCH_BUG_REASON),
 }
 CASES = [
