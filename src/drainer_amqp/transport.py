@@ -86,7 +86,10 @@ class Transport(pyamqp.Transport):
     def close_connection(self, connection: DrainerConnection) -> None:
         if in_failover_after_another(connection):
             return  # another thread's live connection: not this failover's to close
-        super().close_connection(connection)
+        # Unlike kombu's, this keeps connection.client: other threads' consumers and
+        # producers still on it find their kombu connection through it
+        # (``Consumer.__exit__`` after a failover raised AttributeError).
+        connection.close()
 
     def _collect(self, connection: DrainerConnection | None) -> None:
         if connection is None:

@@ -5,7 +5,10 @@ drainer mode and stock py-amqp in turn, measure threads, file descriptors and RS
 (psutil), close them all and check that nothing leaked (threads and descriptors back to
 where they were). The broker's socket limit (``rabbitmqctl status``) is shared with
 everyone: the count is capped to leave ``BROKER_HEADROOM`` sockets free, and the report
-says so when it is. The soft ``RLIMIT_NOFILE`` is raised in-process when needed and
+says so when it is. The default broker allows about 830 sockets; with
+``DRAINER_BENCH_OWN_BROKER=1`` the connections go to a node of our own instead
+(:class:`support.rabbit_nodes.RabbitNode`, open-file limit ``OWN_BROKER_NOFILE``), so
+all 1,000 are measured. The soft ``RLIMIT_NOFILE`` is raised in-process when needed and
 restored afterwards.
 
 E. Deliveries nobody drains: in a child process (so RSS is its own), a consumer with no
@@ -35,6 +38,7 @@ import amqp
 import psutil
 import pytest
 from support.broker import BROKER_HOST, drainer_threads, unique_name, wait_until
+from support.rabbit_nodes import RabbitNode
 
 import drainer_amqp
 from benchmarks import QUICK
@@ -48,6 +52,9 @@ FDS_PER_CONNECTION = 8  # generous: the drainer mode uses 4 (socket, wake-up pai
 UNDRAINED = 10_000 if QUICK else 100_000
 UNDRAINED_BODY = 1024
 IDLE_MODES = ("drainer", "stock py-amqp")
+#: ``DRAINER_BENCH_OWN_BROKER=1``: benchmark D against a node of our own (see above).
+OWN_BROKER = os.environ.get("DRAINER_BENCH_OWN_BROKER", "") not in ("", "0")
+OWN_BROKER_NOFILE = 8192  # the node's ``ulimit -n``: about 7,300 sockets
 UNDRAINED_MODES = ("drainer", "legacy", "stock py-amqp")
 
 
@@ -75,19 +82,23 @@ def library_version() -> str:
 
 
 # -- D: idle connections ----------------------------------------------------------------
-def broker_sockets() -> tuple[int, int] | None:
-    """(sockets used, sockets limit) of the broker, or None if rabbitmqctl cannot tell."""
+def broker_sockets(node: RabbitNode | None = None) -> tuple[int, int] | None:
+    """(sockets used, sockets limit) of the broker (the default one, or ``node``), or
+    None if rabbitmqctl cannot tell."""
     try:
-        out = subprocess.run(
-            ["rabbitmqctl", "-q", "status", "--formatter", "json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        if node is not None:
+            out = node.ctl("status", "--formatter", "json")
+        else:
+            out = subprocess.run(
+                ["rabbitmqctl", "-q", "status", "--formatter", "json"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
         fds = json.loads(out)["file_descriptors"]
         return int(fds["sockets_used"]), int(fds["sockets_limit"])
-    except (OSError, subprocess.SubprocessError, ValueError, KeyError):
+    except (OSError, subprocess.SubprocessError, RuntimeError, ValueError, KeyError):
         return None
 
 
@@ -100,24 +111,24 @@ def snapshot(proc: psutil.Process) -> dict[str, int]:
     }
 
 
-def open_idle(mode: str) -> amqp.Connection:
+def open_idle(mode: str, host: str = BROKER_HOST) -> amqp.Connection:
     conn: amqp.Connection
     if mode == "drainer":
-        conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=True)
+        conn = drainer_amqp.Connection(host=host, dedicated_drainer=True)
     else:
-        conn = amqp.Connection(host=BROKER_HOST)
+        conn = amqp.Connection(host=host)
     conn.connect()
     return conn
 
 
-def measure_idle(mode: str, count: int) -> dict[str, Any]:
+def measure_idle(mode: str, count: int, host: str = BROKER_HOST) -> dict[str, Any]:
     proc = psutil.Process()
     before = snapshot(proc)
     conns: list[amqp.Connection] = []
     try:
         start = time.perf_counter()
         for _ in range(count):
-            conns.append(open_idle(mode))
+            conns.append(open_idle(mode, host))
         opened = time.perf_counter() - start
         during = snapshot(proc)
     finally:
@@ -149,16 +160,16 @@ def measure_idle(mode: str, count: int) -> dict[str, Any]:
     }
 
 
-def idle_in_child(mode: str, count: int) -> dict[str, Any]:
+def idle_in_child(mode: str, count: int, host: str = BROKER_HOST) -> dict[str, Any]:
     """:func:`measure_idle` in a fresh interpreter (it inherits our RLIMIT_NOFILE)."""
     tests_dir = Path(__file__).resolve().parents[1]
     path = os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")])
     code = (
         "import json, sys; from benchmarks.bench_resources import measure_idle; "
-        "print('RESULT ' + json.dumps(measure_idle(sys.argv[1], int(sys.argv[2]))))"
+        "print('RESULT ' + json.dumps(measure_idle(sys.argv[1], int(sys.argv[2]), sys.argv[3])))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, mode, str(count)],
+        [sys.executable, "-c", code, mode, str(count), host],
         capture_output=True,
         text=True,
         timeout=600,
@@ -172,8 +183,21 @@ def idle_in_child(mode: str, count: int) -> dict[str, Any]:
 
 
 def test_idle_connections(bench_report: Collector) -> None:
+    if not OWN_BROKER:
+        idle_connections(bench_report, BROKER_HOST, None)
+        return
+    node = RabbitNode(nofile=OWN_BROKER_NOFILE)
+    try:
+        node.start()
+        idle_connections(bench_report, f"127.0.0.1:{node.port}", node)
+    finally:
+        node.cleanup()
+
+
+def idle_connections(bench_report: Collector, host: str, node: RabbitNode | None) -> None:
+    """Benchmark D against ``host`` (``node``'s, if given, else the default broker's)."""
     began = time.perf_counter()
-    sockets = broker_sockets()
+    sockets = broker_sockets(node)
     count = IDLE
     if sockets is not None:
         used, limit = sockets
@@ -186,7 +210,7 @@ def test_idle_connections(bench_report: Collector) -> None:
     results = []
     try:
         for mode in IDLE_MODES:  # each in a child: memory freed by one mode skews the next
-            results.append(idle_in_child(mode, count))
+            results.append(idle_in_child(mode, count, host))
     finally:
         if raised:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -214,6 +238,11 @@ def test_idle_connections(bench_report: Collector) -> None:
         "after close the threads and descriptors must be back to their starting counts "
         "(asserted: nothing leaked). RSS after close is reported only (the allocator keeps "
         "freed memory).",
+        (
+            f"Broker: a node of our own ({node.name}, ulimit -n {node.nofile})"
+            if node is not None
+            else f"Broker: the default one ({host})"
+        ),
         f"Broker sockets before: {sockets[0]} used of {sockets[1]} (rabbitmqctl status)"
         if sockets
         else "Broker socket limit unknown (rabbitmqctl status failed).",
@@ -226,7 +255,8 @@ def test_idle_connections(bench_report: Collector) -> None:
             1,
             f"Capped at {count} instead of {IDLE}: the shared broker allows "
             f"{sockets[1] if sockets else '?'} sockets in all and this benchmark leaves "
-            f"{BROKER_HEADROOM} for others (the broker's limit is not ours to raise).",
+            f"{BROKER_HEADROOM} for others (the broker's limit is not ours to raise; "
+            "DRAINER_BENCH_OWN_BROKER=1 measures against a node with a higher one).",
         )
     section = Section(
         key="idle_connections",
@@ -245,7 +275,13 @@ def test_idle_connections(bench_report: Collector) -> None:
         ],
         rows=rows,
         notes=notes,
-        raw={"requested": IDLE, "count": count, "broker_sockets": sockets, "results": results},
+        raw={
+            "requested": IDLE,
+            "count": count,
+            "broker": node.name if node is not None else host,
+            "broker_sockets": sockets,
+            "results": results,
+        },
         seconds=time.perf_counter() - began,
     )
     bench_report.add(section)

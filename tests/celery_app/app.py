@@ -6,6 +6,7 @@ Configured from the environment, settings only:
 ``DRAINER_TEST_QUEUE``        the queue, unique per test (also pass ``-Q``)
 ``DRAINER_TEST_BACKEND``      result backend (default ``rpc://``)
 ``DRAINER_TEST_PROBE``        file the consumer bootstep appends JSON lines to (optional)
+``DRAINER_TEST_QUEUE_TYPE``   ``classic`` (default) or ``quorum`` (the cluster tests)
 """
 
 from __future__ import annotations
@@ -20,4 +21,5 @@ app = build_app(
     transport_options={"dedicated_drainer": True},
     result_backend=os.environ.get("DRAINER_TEST_BACKEND", "rpc://"),
     probe_file=os.environ.get("DRAINER_TEST_PROBE") or None,
+    task_default_queue_type=os.environ.get("DRAINER_TEST_QUEUE_TYPE", "classic"),
 )

@@ -434,17 +434,22 @@ def _install_hooks() -> None:
 
 
 def _kill_orphans() -> None:
-    """Kill node process groups whose test process is gone (it was SIGKILLed)."""
+    """Kill node process groups whose test process is gone (it was SIGKILLed), and remove
+    their directories."""
     for process in psutil.process_iter(["name"]):
         if process.info["name"] not in ("beam.smp", "rabbitmq-server", "sh"):
             continue
         try:
-            owner = process.environ().get(_OWNER_ENV)
+            env = process.environ()
+            owner = env.get(_OWNER_ENV)
             if owner is None or psutil.pid_exists(int(owner)):
                 continue
             os.killpg(os.getpgid(process.pid), signal.SIGKILL)
         except (psutil.Error, ProcessLookupError, PermissionError, ValueError):
             continue
+        base = Path(env.get("HOME", "")).parent  # HOME is <base>/home
+        if base.name.startswith(f"{_TMP_PREFIX}{owner}-"):
+            shutil.rmtree(base, ignore_errors=True)
 
 
 # -- fixtures ---------------------------------------------------------------------------
