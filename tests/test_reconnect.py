@@ -391,3 +391,34 @@ def test_a_reconnect_waiting_for_another_threads_reconnect_survives_a_collect() 
             assert isinstance(got, tuple(conn.recoverable_connection_errors)), repr(got)
     finally:
         conn.release()
+
+
+def test_a_reconnect_keeps_its_kombu_connection_when_a_collect_detaches_it_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kombu's ``establish_connection`` copies ``transport.client`` onto the new
+    connection when the connect is done; another thread's ``collect()`` may have cleared
+    it meanwhile. Consumers and producers find their kombu connection through
+    ``channel.connection.client`` (``Consumer.__exit__`` raised AttributeError in the
+    cluster failover test), so the new connection keeps the kombu connection."""
+    from kombu.transport import pyamqp
+
+    connect = pyamqp.Transport.establish_connection
+
+    def detached_meanwhile(transport: Any) -> Any:
+        connection = connect(transport)
+        connection.client = None  # what kombu copies after a collect() detached it
+        return connection
+
+    monkeypatch.setattr(pyamqp.Transport, "establish_connection", detached_meanwhile)
+    conn = kombu.Connection(
+        "drainer-amqp://guest:guest@127.0.0.1:5672//",
+        transport_options={"dedicated_drainer": True},
+    )
+    try:
+        conn.ensure_connection(max_retries=3)
+        assert conn.connection.client is conn
+        with kombu.Consumer(conn.channel(), queues=[]) as consumer:
+            assert consumer.connection is conn
+    finally:
+        conn.release()

@@ -79,6 +79,10 @@ class Transport(pyamqp.Transport):
                 # another thread opens after it is newer (see in_failover_after_another).
                 tag(exc, current, reconnect_failed=True)
                 raise
+            # kombu's establish_connection copies self.client, which another thread's
+            # collect() may have cleared while this one connected: the kombu connection
+            # is the one this reconnect began for.
+            connection.client = client
             with _live_lock:
                 _live[client] = connection
             return connection
