@@ -221,7 +221,7 @@ class Channel(pyamqp.Channel):
         and py-amqp would reject (requeue) them for want of a callback."""
         if not consumer_tag:
             return super().basic_consume(queue, consumer_tag, *args, **kwargs)
-        names = ("no_local", "no_ack", "exclusive", "nowait", "callback", "arguments")
+        names = ("no_local", "no_ack", "exclusive", "nowait", "callback", "arguments", "on_cancel")
         given = dict(zip(names, args, strict=False), **kwargs)
         callback, on_cancel = given.get("callback"), given.get("on_cancel")
         self.callbacks[consumer_tag] = callback

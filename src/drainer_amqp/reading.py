@@ -29,9 +29,11 @@ __all__ = ["LockReader", "Reader"]
 
 
 class Reader(Protocol):
-    #: A caller's thread is blocked in a socket read that only the socket's shutdown can
-    #: cut short (legacy mode). close() then tears down without the handshake.
-    reading: bool
+    @property
+    def reading(self) -> bool:
+        """A caller's thread is blocked in a socket read that only the socket's shutdown
+        can cut short (legacy mode). close() then tears down without the handshake."""
+        ...
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         """Return once ``awaitable`` is ready; ``TimeoutError`` at ``deadline``. Raises
@@ -45,7 +47,10 @@ class LockReader:
 
     def __init__(self, connection: Connection) -> None:
         self._conn = connection
-        self.reading = False  # set by the transport lock's holder around its read
+
+    @property
+    def reading(self) -> bool:
+        return self._conn.dispatching is not None  # only this reader dispatches in legacy
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         conn = self._conn
@@ -62,12 +67,10 @@ class LockReader:
                 if not closing:
                     conn.raise_if_ended()
                 remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
-                self.reading = True
                 conn.dispatching = threading.get_ident()
                 try:
                     read_frame(conn, remaining)  # at least one read, even at the deadline
                 finally:
-                    self.reading = False
                     conn.dispatching = None
             except TimeoutError:
                 raise TimeoutError() from None
