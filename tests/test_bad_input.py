@@ -64,7 +64,8 @@ IDLE_WINDOW = 0.5
 #: A thread that waits properly uses a tiny fraction of the wall time; a spinning one
 #: (even sharing the GIL with the other three) uses far more.
 SPIN_FRACTION = 0.1
-BLOCKING_FRAMES = frozenset(("wait", "acquire", "_read"))
+# "flush": a legacy reader first waits for the writer's turn to write what is queued.
+BLOCKING_FRAMES = frozenset(("wait", "acquire", "_read", "flush"))
 
 DELIVER = ("sLbss", ("ctag-3", 1, False, "", "q"))
 

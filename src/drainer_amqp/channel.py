@@ -67,6 +67,9 @@ class Channel(pyamqp.Channel):
     def __init__(self, connection: Connection, *args: Any, **kwargs: Any) -> None:
         self.confirms = Confirms(connection.waiters)
         self._confirm_mode = False
+        # Held around numbering and writing a publish (and Confirm.Select), so this
+        # channel's delivery tags follow its write order: the writer holds no lock.
+        self._order_lock = threading.Lock()
         self._close_error: BaseException | None = None  # the broker closed this channel
         self._prepared: dict[int, Waiter] = {}  # thread id -> wait registered before writing
         self._ended_connection: Connection | None = None
@@ -290,13 +293,14 @@ class Channel(pyamqp.Channel):
             return super().confirm_select(nowait)
         waiter = None if nowait else self._expect(conn, spec.Confirm.SelectOk)
         try:
-            conn.send_frames(
-                self.channel_id,
-                spec.Confirm.Select,
-                dumps("b", (nowait,)),
-                None,
-                number=self._start_numbering,  # publishes are numbered from here on
-            )
+            with self._order_lock:
+                conn.send_frames(
+                    self.channel_id,
+                    spec.Confirm.Select,
+                    dumps("b", (nowait,)),
+                    None,
+                    number=self._start_numbering,  # publishes are numbered from here on
+                )
             if waiter is not None:
                 self._await(waiter, conn, None)
         finally:
@@ -348,7 +352,7 @@ class Channel(pyamqp.Channel):
         conn.wait_unblocked(timeout)
         tag = 0
 
-        def number() -> None:  # under the writer's lock: the delivery tag is the write order
+        def number() -> None:  # just before the append: the delivery tag is the write order
             nonlocal tag
             if self._confirm_mode:
                 tag = self.confirms.number(waiter)
@@ -361,12 +365,19 @@ class Channel(pyamqp.Channel):
             )
         try:
             if chunks is not None:
-                conn.send_encoded(chunks, number=number, timeout=timeout)
+                with self._order_lock:
+                    conn.send_encoded(chunks, number=number, timeout=timeout)
             else:
                 args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
-                conn.send_frames(
-                    self.channel_id, spec.Basic.Publish, args, msg, number=number, timeout=timeout
-                )
+                with self._order_lock:
+                    conn.send_frames(
+                        self.channel_id,
+                        spec.Basic.Publish,
+                        args,
+                        msg,
+                        number=number,
+                        timeout=timeout,
+                    )
         except TimeoutError as exc:
             self.confirms.drop(tag)
             raise RecoverableConnectionError("basic_publish: timed out") from exc

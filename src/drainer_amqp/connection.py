@@ -14,7 +14,8 @@ Drainer (``True``)
     wait.
 
 Shared by both modes: replies and confirms are registered before the request is
-written (:mod:`.waits`), writes go through one group-committing :class:`~.writer.Writer`,
+written (:mod:`.waits`), writes go through one group-committing :class:`~.writer.Writer`
+(write-behind: a publish returns once queued for the thread that is writing),
 user callbacks are queued in an :class:`~.waits.Inbox` that ``drain_events()`` runs, and
 one :meth:`Connection.end` records why the connection ended and wakes every waiter.
 

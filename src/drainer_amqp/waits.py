@@ -67,7 +67,8 @@ class Confirms:
     waiter of the thread that wants its ack, if any.
 
     :meth:`number` must be called in the order the publishes are written (the writer
-    calls it under its own lock); :meth:`settle` is called by the reading thread.
+    calls it just before it queues a publish, under the channel's order lock);
+    :meth:`settle` is called by the reading thread.
     """
 
     def __init__(self, waiters: Waiters) -> None:
