@@ -198,7 +198,12 @@ class Writer:
     def _write_batch(self, queue: deque[list[bytes | memoryview]]) -> None:
         chunks: list[bytes | memoryview] = []
         for _ in range(len(queue)):  # what is there now; later appends go in the next
-            chunks += queue.popleft()
+            try:
+                chunks += queue.popleft()
+            except IndexError:  # fail() dropped the queue meanwhile
+                break
+        if not chunks or self._error is not None:
+            return
         payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         try:
             with self.io_lock:
