@@ -263,3 +263,37 @@ def test_a_socket_error_fails_the_writer_for_every_thread() -> None:
     for w in workers:
         w.join(JOIN)
     assert len(errors) == 4
+
+
+def test_a_thread_waiting_to_take_over_gets_the_flushers_failure_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It must not wait out its offer: kombu would retry it late, after the others had
+    reconnected, and its cleanup would hit their new connection."""
+    monkeypatch.setattr(writer_module, "TAKE_OVER_WAIT", 10 * JOIN)
+    sock = FakeSocket()
+    sock.hold()
+    writer = make_writer(sock)
+    errors: list[BaseException] = []
+
+    def send(data: bytes) -> None:
+        try:
+            writer.send([data])
+        except ConnectionError as exc:
+            errors.append(exc)
+
+    flusher = start(partial(send, b"A"), "flusher")
+    entered(sock)
+    successor = start(partial(send, b"B"), "successor")
+    deadline = time.monotonic() + JOIN
+    while writer._successor is None:  # noqa: SLF001
+        assert time.monotonic() < deadline, "nobody offered to take over"
+        time.sleep(0.001)
+    sock.error = BrokenPipeError(32, "Broken pipe")
+    begun = time.monotonic()
+    sock.release_all()
+    flusher.join(JOIN)
+    successor.join(JOIN)
+    assert not successor.is_alive()
+    assert time.monotonic() - begun < JOIN
+    assert len(errors) == 2, errors
