@@ -137,6 +137,8 @@ class Writer:
                 number()
             queue.append(data)
             self._flush()
+            if self._error is not None:
+                raise self._error()  # it may not have been written
             return
         if number is not None:
             number()
