@@ -76,6 +76,23 @@ def entered(sock: FakeSocket) -> None:
     assert sock.entered.acquire(timeout=JOIN), "no sendall started"
 
 
+def busy_writer(first: bytes = b"A", **kwargs: int) -> tuple[FakeSocket, Writer, threading.Thread]:
+    """A writer whose flusher (a thread sending ``first``) is held inside ``sendall``."""
+    sock = FakeSocket()
+    sock.hold()
+    writer = make_writer(sock, **kwargs)
+    flusher = start(lambda: writer.send([first]), "flusher")
+    entered(sock)
+    return sock, writer, flusher
+
+
+def wait_for_offer(writer: Writer) -> None:
+    deadline = time.monotonic() + JOIN
+    while writer._successor is None:  # noqa: SLF001 - the offer is the point under test
+        assert time.monotonic() < deadline, "nobody offered to take over"
+        time.sleep(0.001)
+
+
 def test_messages_of_many_threads_arrive_whole_and_in_each_threads_order() -> None:
     sock = FakeSocket()
     writer = make_writer(sock)
@@ -129,11 +146,7 @@ def test_numbering_follows_the_write_order_when_the_caller_orders_its_sends() ->
 
 
 def test_a_send_returns_while_another_thread_writes_and_its_bytes_follow() -> None:
-    sock = FakeSocket()
-    sock.hold()
-    writer = make_writer(sock)
-    first = start(lambda: writer.send([b"first"]), "flusher")
-    entered(sock)
+    sock, writer, first = busy_writer(b"first")
     begun = time.monotonic()
     writer.send([b"second"], block=False)  # never waits: not even to take over
     assert time.monotonic() - begun < 1.0
@@ -146,16 +159,9 @@ def test_a_send_returns_while_another_thread_writes_and_its_bytes_follow() -> No
 
 
 def test_the_flusher_hands_over_after_its_batch_so_its_own_call_ends() -> None:
-    sock = FakeSocket()
-    sock.hold()
-    writer = make_writer(sock)
-    flusher = start(lambda: writer.send([b"A"]), "flusher")
-    entered(sock)  # A is being written
+    sock, writer, flusher = busy_writer()  # A is being written
     successor = start(lambda: writer.send([b"B"]), "successor")  # offers to take over
-    deadline = time.monotonic() + JOIN
-    while writer._successor is None:  # noqa: SLF001 - the offer is the point under test
-        assert time.monotonic() < deadline, "nobody offered to take over"
-        time.sleep(0.001)
+    wait_for_offer(writer)
     writer.send([b"C"])  # an offer stands: this one returns at once
     sock.permit()  # A's write ends; B and C are queued
     flusher.join(JOIN)
@@ -172,11 +178,7 @@ def test_an_offer_to_take_over_ends_when_the_write_does_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(writer_module, "TAKE_OVER_WAIT", 0.05)
-    sock = FakeSocket()
-    sock.hold()
-    writer = make_writer(sock)
-    flusher = start(lambda: writer.send([b"A"]), "flusher")
-    entered(sock)
+    sock, writer, flusher = busy_writer()
     begun = time.monotonic()
     writer.send([b"B"])  # offers, waits 50 ms, leaves B to the flusher
     assert 0.04 <= time.monotonic() - begun < 5.0
@@ -188,11 +190,7 @@ def test_an_offer_to_take_over_ends_when_the_write_does_not(
 
 
 def test_a_full_queue_makes_a_publisher_wait_within_its_timeout() -> None:
-    sock = FakeSocket()
-    sock.hold()
-    writer = make_writer(sock, limit=4)
-    flusher = start(lambda: writer.send([b"0"]), "flusher")
-    entered(sock)
+    sock, writer, flusher = busy_writer(b"0", limit=4)
     for i in range(1, 5):
         writer.send([b"%d" % i], block=False)
     begun = time.monotonic()
@@ -207,11 +205,7 @@ def test_a_full_queue_makes_a_publisher_wait_within_its_timeout() -> None:
 
 
 def test_a_large_message_is_in_the_socket_when_send_returns() -> None:
-    sock = FakeSocket()
-    sock.hold()
-    writer = make_writer(sock)
-    flusher = start(lambda: writer.send([b"A"]), "flusher")
-    entered(sock)
+    sock, writer, flusher = busy_writer()
     body = b"x" * LARGE
     done = threading.Event()
 
@@ -229,11 +223,7 @@ def test_a_large_message_is_in_the_socket_when_send_returns() -> None:
 
 
 def test_after_fail_every_send_raises_and_the_queue_is_dropped() -> None:
-    sock = FakeSocket()
-    sock.hold()
-    writer = make_writer(sock)
-    flusher = start(lambda: writer.send([b"A"]), "flusher")
-    entered(sock)
+    sock, writer, flusher = busy_writer()
     writer.send([b"B"], block=False)
     writer.fail(lambda: ConnectionAbortedError("the connection ended"))
     with pytest.raises(ConnectionAbortedError, match="ended"):
@@ -285,10 +275,7 @@ def test_a_thread_waiting_to_take_over_gets_the_flushers_failure_at_once(
     flusher = start(partial(send, b"A"), "flusher")
     entered(sock)
     successor = start(partial(send, b"B"), "successor")
-    deadline = time.monotonic() + JOIN
-    while writer._successor is None:  # noqa: SLF001
-        assert time.monotonic() < deadline, "nobody offered to take over"
-        time.sleep(0.001)
+    wait_for_offer(writer)
     sock.error = BrokenPipeError(32, "Broken pipe")
     begun = time.monotonic()
     sock.release_all()
