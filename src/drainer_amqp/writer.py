@@ -96,8 +96,7 @@ class Writer:
         request is written."""
         if not self._queue and not self._flushing.locked():
             return
-        if not self._flushing.acquire(timeout=-1 if timeout is None else timeout):
-            raise TimeoutError("write timed out: the socket is not draining")
+        self._take_role(timeout)
         self._flush()
 
     def fail(self, error: Callable[[], BaseException]) -> None:
@@ -127,9 +126,7 @@ class Writer:
             raise self._error()
         queue = self._queue
         if block and (len(queue) >= self._limit or sum(map(len, data)) >= LARGE):
-            # Write it ourselves: wait for the flusher's role.
-            if not self._flushing.acquire(timeout=-1 if timeout is None else timeout):
-                raise TimeoutError("write timed out: the socket is not draining")
+            self._take_role(timeout)  # write it ourselves
             if self._error is not None:
                 self._flushing.release()
                 raise self._error()
@@ -147,6 +144,11 @@ class Writer:
             self._flush()
         elif block and self._successor is None:
             self._offer_to_take_over()
+
+    def _take_role(self, timeout: float | None) -> None:
+        """Wait at most ``timeout`` to become the flusher, else ``TimeoutError``."""
+        if not self._flushing.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError("write timed out: the socket is not draining")
 
     def _offer_to_take_over(self) -> None:
         """Another thread is flushing: wait (at most ``TAKE_OVER_WAIT``) to flush after
