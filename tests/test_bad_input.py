@@ -64,8 +64,8 @@ IDLE_WINDOW = 0.5
 #: A thread that waits properly uses a tiny fraction of the wall time; a spinning one
 #: (even sharing the GIL with the other three) uses far more.
 SPIN_FRACTION = 0.1
-# "_take_role": a legacy reader first waits for the writer's turn to write what is queued.
-BLOCKING_FRAMES = frozenset(("wait", "acquire", "_read", "_take_role"))
+# "_await_turn": a thread waits in the writer for its batch to be written.
+BLOCKING_FRAMES = frozenset(("wait", "acquire", "_read", "_await_turn"))
 
 DELIVER = ("sLbss", ("ctag-3", 1, False, "", "q"))
 

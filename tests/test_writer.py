@@ -1,22 +1,34 @@
-"""The group-committing Writer on its own, with a fake socket: order, contiguity,
-write-behind, the flusher's hand-over, the bounded queue and failure.
+"""The group-committing Writer on its own, with a fake socket: order, contiguity, a send
+that returns only once written, the leader's hand-over, timeouts, ``last`` and failure.
 
 Every wait here has a deadline; the fake socket blocks only when a test holds it."""
 
 from __future__ import annotations
 
+import random
 import re
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import pytest
 
-from drainer_amqp import writer as writer_module
-from drainer_amqp.writer import LARGE, Writer
+from drainer_amqp.writer import Writer
 
 JOIN = 30.0
+
+
+@pytest.fixture(params=["default", "tiny-switch-interval"])
+def switching(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Run a concurrency test once as is, and once with the interpreter switching
+    threads as often as it can, to shake out interleavings."""
+    previous = sys.getswitchinterval()
+    if request.param != "default":
+        sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(previous)
 
 
 class FakeSocket:
@@ -53,15 +65,15 @@ class FakeSocket:
         self.data += payload
 
 
-def make_writer(sock: FakeSocket, **kwargs: int) -> Writer:
+def make_writer(sock: object) -> Writer:
+    """A writer whose socket errors end it, as a connection's do."""
     box: list[Writer] = []
 
-    def on_error(exc: OSError) -> BaseException:
-        error = ConnectionError(f"socket failed: {exc}")
+    def on_error(exc: BaseException) -> BaseException:
         box[0].fail(lambda: ConnectionError(f"socket failed: {exc}"))
-        return error
+        return ConnectionError(f"socket failed: {exc}")
 
-    writer = Writer(sock, threading.RLock(), on_error, **kwargs)  # type: ignore[arg-type]
+    writer = Writer(sock, threading.RLock(), on_error)  # type: ignore[arg-type]
     box.append(writer)
     return writer
 
@@ -76,27 +88,44 @@ def entered(sock: FakeSocket) -> None:
     assert sock.entered.acquire(timeout=JOIN), "no sendall started"
 
 
-def busy_writer(first: bytes = b"A", **kwargs: int) -> tuple[FakeSocket, Writer, threading.Thread]:
-    """A writer whose flusher (a thread sending ``first``) is held inside ``sendall``."""
-    sock = FakeSocket()
-    sock.hold()
-    writer = make_writer(sock, **kwargs)
-    flusher = start(lambda: writer.send([first]), "flusher")
-    entered(sock)
-    return sock, writer, flusher
-
-
-def wait_for_offer(writer: Writer) -> None:
+def queued(writer: Writer, n: int) -> None:
+    """Until ``n`` messages wait in the queue (the threads sending them are asleep)."""
     deadline = time.monotonic() + JOIN
-    while writer._successor is None:  # noqa: SLF001 - the offer is the point under test
-        assert time.monotonic() < deadline, "nobody offered to take over"
+    while len(writer._queue) < n:  # noqa: SLF001 - the queue is the point under test
+        assert time.monotonic() < deadline, f"{len(writer._queue)} queued, not {n}"
         time.sleep(0.001)
 
 
-def test_messages_of_many_threads_arrive_whole_and_in_each_threads_order() -> None:
+def busy_writer(first: bytes = b"A") -> tuple[FakeSocket, Writer, threading.Thread]:
+    """A writer whose leader (a thread sending ``first``) is held inside ``sendall``."""
+    sock = FakeSocket()
+    sock.hold()
+    writer = make_writer(sock)
+    leader = start(lambda: writer.send([first]), "leader")
+    entered(sock)
+    return sock, writer, leader
+
+
+def sender(
+    writer: Writer, data: bytes, name: str, **kwargs: float
+) -> tuple[threading.Thread, list]:
+    """A thread sending ``data``; its list gets "ok" or the exception once it returns."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            writer.send([data], **kwargs)  # type: ignore[arg-type]
+            outcome.append("ok")
+        except BaseException as exc:  # noqa: BLE001 - asserted by the tests
+            outcome.append(exc)
+
+    return start(run, name), outcome
+
+
+def test_messages_of_many_threads_arrive_whole_and_in_each_threads_order(switching: None) -> None:
     sock = FakeSocket()
     writer = make_writer(sock)
-    threads, per_thread = 16, 2000
+    threads, per_thread = 16, 300
     errors: list[BaseException] = []
 
     def publisher(t: int) -> None:
@@ -117,170 +146,241 @@ def test_messages_of_many_threads_arrive_whole_and_in_each_threads_order() -> No
     for t in range(threads):
         seen = [int(i) for tt, i in messages if int(tt) == t]
         assert seen == list(range(per_thread)), f"thread {t}'s messages out of order"
+    assert not writer.busy
 
 
-def test_numbering_follows_the_write_order_when_the_caller_orders_its_sends() -> None:
-    """As a channel does with its lock: delivery tags match the order on the wire."""
+def test_numbering_follows_the_write_order(switching: None) -> None:
+    """Delivery tags are numbered as messages are queued: they match the wire order with
+    no lock of the caller's."""
     sock = FakeSocket()
     writer = make_writer(sock)
-    channel_lock = threading.Lock()
     tags: dict[bytes, int] = {}
     counter = [0]
 
     def publisher(t: int) -> None:
-        for i in range(500):
+        for i in range(200):
             name = b"%d.%d" % (t, i)
 
             def number(name: bytes = name) -> None:
                 counter[0] += 1
                 tags[name] = counter[0]
 
-            with channel_lock:
-                writer.send([b"<" + name + b">"], number=number)
+            writer.send([b"<" + name + b">"], number=number)
 
     workers = [start(partial(publisher, t), f"pub-{t}") for t in range(8)]
     for w in workers:
         w.join(JOIN)
     wire = re.findall(rb"<([\d.]+)>", bytes(sock.data))
-    assert [tags[name] for name in wire] == list(range(1, 8 * 500 + 1))
+    assert [tags[name] for name in wire] == list(range(1, 8 * 200 + 1))
 
 
-def test_a_send_returns_while_another_thread_writes_and_its_bytes_follow() -> None:
-    sock, writer, first = busy_writer(b"first")
-    begun = time.monotonic()
-    writer.send([b"second"], block=False)  # never waits: not even to take over
-    assert time.monotonic() - begun < 1.0
-    assert writer.busy and bytes(sock.data) == b""
-    sock.release_all()
-    first.join(JOIN)
-    assert not first.is_alive()
-    assert bytes(sock.data) == b"firstsecond"
+def test_a_send_returns_only_once_its_bytes_are_written() -> None:
+    sock, writer, leader = busy_writer()
+    follower, outcome = sender(writer, b"B", "follower")
+    queued(writer, 1)  # B's thread is asleep in the writer
+    assert not outcome, "B returned before it was written"
+    sock.permit()  # A's write ends; B's thread is handed the lead and writes B
+    leader.join(JOIN)
+    entered(sock)
+    assert not outcome, "B returned before its own write ended"
+    sock.permit()
+    follower.join(JOIN)
+    assert outcome == ["ok"]
+    assert bytes(sock.data) == b"AB"
+    assert sock.calls == ["leader", "follower"]
+
+
+def test_the_leader_writes_one_batch_and_hands_the_queue_to_its_first_waiter() -> None:
+    sock, writer, leader = busy_writer()
+    b, b_out = sender(writer, b"B", "B")
+    queued(writer, 1)
+    c, c_out = sender(writer, b"C", "C")
+    queued(writer, 2)
+    sock.permit()  # A is written: the leader's call ends, B leads B and C
+    leader.join(JOIN)
+    assert not leader.is_alive(), "the leader did not return after its batch"
+    entered(sock)
+    d, d_out = sender(writer, b"D", "D")  # comes while B and C are written: next batch
+    queued(writer, 1)
+    sock.permit()
+    b.join(JOIN)
+    c.join(JOIN)
+    entered(sock)  # D writes its own batch
+    sock.permit()
+    d.join(JOIN)
+    assert b_out == c_out == d_out == ["ok"]
+    assert sock.calls == ["leader", "B", "D"]
+    assert bytes(sock.data) == b"ABCD"
     assert not writer.busy
 
 
-def test_the_flusher_hands_over_after_its_batch_so_its_own_call_ends() -> None:
-    sock, writer, flusher = busy_writer()  # A is being written
-    successor = start(lambda: writer.send([b"B"]), "successor")  # offers to take over
-    wait_for_offer(writer)
-    writer.send([b"C"])  # an offer stands: this one returns at once
-    sock.permit()  # A's write ends; B and C are queued
-    flusher.join(JOIN)
-    assert not flusher.is_alive(), "the flusher did not return after its batch"
-    entered(sock)  # the successor writes B and C
-    assert sock.calls == ["flusher", "successor"]
+def test_a_reply_nobody_waits_for_is_queued_and_goes_out_with_the_next_batch() -> None:
+    sock, writer, leader = busy_writer(b"first")
+    writer.send([b"second"], block=False)  # returns at once: the leader writes it
+    assert writer.busy and bytes(sock.data) == b""
     sock.release_all()
-    successor.join(JOIN)
-    assert not successor.is_alive()
-    assert bytes(sock.data) == b"ABC"
+    leader.join(JOIN)
+    assert not leader.is_alive()
+    assert bytes(sock.data) == b"firstsecond"
+    assert sock.calls == ["leader", "leader"]
+    assert not writer.busy
 
 
-def test_an_offer_to_take_over_ends_when_the_write_does_not(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(writer_module, "TAKE_OVER_WAIT", 0.05)
-    sock, writer, flusher = busy_writer()
-    begun = time.monotonic()
-    writer.send([b"B"])  # offers, waits 50 ms, leaves B to the flusher
-    assert 0.04 <= time.monotonic() - begun < 5.0
-    assert writer._successor is None  # noqa: SLF001
-    sock.release_all()
-    flusher.join(JOIN)
-    assert bytes(sock.data) == b"AB"
-    assert sock.calls == ["flusher", "flusher"]
-
-
-def test_a_full_queue_makes_a_publisher_wait_within_its_timeout() -> None:
-    sock, writer, flusher = busy_writer(b"0", limit=4)
-    for i in range(1, 5):
-        writer.send([b"%d" % i], block=False)
+def test_a_queued_message_that_times_out_is_not_written() -> None:
+    sock, writer, leader = busy_writer()
     begun = time.monotonic()
     with pytest.raises(TimeoutError, match="not draining"):
         writer.send([b"X"], timeout=0.2)
-    assert 0.15 <= time.monotonic() - begun < 5.0
-    assert len(writer._queue) == 4  # noqa: SLF001 - bounded, and X was not queued
+    assert 0.15 <= time.monotonic() - begun < JOIN
     sock.release_all()
-    flusher.join(JOIN)
-    writer.send([b"5"])
-    assert bytes(sock.data) == b"012345"
+    leader.join(JOIN)
+    writer.send([b"B"])
+    assert bytes(sock.data) == b"AB"
 
 
-def test_a_large_message_is_in_the_socket_when_send_returns() -> None:
-    sock, writer, flusher = busy_writer()
-    body = b"x" * LARGE
-    done = threading.Event()
-
-    def send_large() -> None:
-        writer.send([b"L", body])
-        done.set()
-
-    large = start(send_large, "large")
-    assert not done.wait(0.2), "a large message returned before it was written"
+def test_a_timeout_while_its_batch_is_written_says_it_may_have_been() -> None:
+    sock, writer, leader = busy_writer()
+    follower, outcome = sender(writer, b"B", "follower")
+    queued(writer, 1)
+    late, late_out = sender(writer, b"C", "late", timeout=0.3)
+    queued(writer, 2)
+    sock.permit()  # A done: the follower leads B and C and is held writing them
+    entered(sock)
+    late.join(JOIN)
+    assert isinstance(late_out[0], TimeoutError) and "may have been" in str(late_out[0])
     sock.release_all()
-    large.join(JOIN)
-    flusher.join(JOIN)
-    assert done.is_set()
-    assert bytes(sock.data) == b"AL" + body
+    follower.join(JOIN)
+    leader.join(JOIN)
+    assert bytes(sock.data) == b"ABC"
 
 
-def test_after_fail_every_send_raises_and_the_queue_is_dropped() -> None:
-    sock, writer, flusher = busy_writer()
-    writer.send([b"B"], block=False)
+def test_fail_raises_in_every_queued_thread_at_once_and_refuses_later_sends() -> None:
+    sock, writer, leader = busy_writer()
+    waiting = [sender(writer, b"%d" % i, f"w{i}") for i in range(5)]
+    queued(writer, 5)
     writer.fail(lambda: ConnectionAbortedError("the connection ended"))
+    for thread, outcome in waiting:
+        thread.join(JOIN)  # none of them waits for the leader's write
+        assert isinstance(outcome[0], ConnectionAbortedError), outcome
     with pytest.raises(ConnectionAbortedError, match="ended"):
         writer.send([b"C"])
     sock.release_all()
-    flusher.join(JOIN)
-    assert bytes(sock.data) == b"A"
+    leader.join(JOIN)
+    assert bytes(sock.data) == b"A"  # the leader's batch was taken before the failure
     assert not writer.busy
 
 
-def test_a_socket_error_fails_the_writer_for_every_thread() -> None:
-    sock = FakeSocket()
+def test_a_socket_error_fails_the_batch_and_the_queue_and_every_later_send() -> None:
+    sock, writer, leader = busy_writer()
+    b, b_out = sender(writer, b"B", "B")
+    queued(writer, 1)
+    sock.permit()
+    leader.join(JOIN)
+    entered(sock)  # B leads its batch
+    c, c_out = sender(writer, b"C", "C")
+    queued(writer, 1)
     sock.error = BrokenPipeError(32, "Broken pipe")
-    writer = make_writer(sock)
-    with pytest.raises(ConnectionError, match="Broken pipe"):
-        writer.send([b"A"])
-    assert not writer.busy
-    errors: list[BaseException] = []
-
-    def publisher() -> None:
-        try:
-            writer.send([b"B"])
-        except ConnectionError as exc:
-            errors.append(exc)
-
-    workers = [start(publisher, f"pub-{i}") for i in range(4)]
-    for w in workers:
-        w.join(JOIN)
-    assert len(errors) == 4
-
-
-def test_a_thread_waiting_to_take_over_gets_the_flushers_failure_at_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """It must not wait out its offer: kombu would retry it late, after the others had
-    reconnected, and its cleanup would hit their new connection."""
-    monkeypatch.setattr(writer_module, "TAKE_OVER_WAIT", 10 * JOIN)
-    sock = FakeSocket()
-    sock.hold()
-    writer = make_writer(sock)
-    errors: list[BaseException] = []
-
-    def send(data: bytes) -> None:
-        try:
-            writer.send([data])
-        except ConnectionError as exc:
-            errors.append(exc)
-
-    flusher = start(partial(send, b"A"), "flusher")
-    entered(sock)
-    successor = start(partial(send, b"B"), "successor")
-    wait_for_offer(writer)
-    sock.error = BrokenPipeError(32, "Broken pipe")
-    begun = time.monotonic()
     sock.release_all()
-    flusher.join(JOIN)
-    successor.join(JOIN)
-    assert not successor.is_alive()
-    assert time.monotonic() - begun < JOIN
-    assert len(errors) == 2, errors
+    b.join(JOIN)
+    c.join(JOIN)
+    assert isinstance(b_out[0], ConnectionError) and "Broken pipe" in str(b_out[0])
+    assert isinstance(c_out[0], ConnectionError)
+    with pytest.raises(ConnectionError):
+        writer.send([b"D"])
+    assert not writer.busy
+
+
+def test_a_last_message_goes_after_everything_before_it_and_nothing_after_it() -> None:
+    sock, writer, leader = busy_writer()
+    before, before_out = sender(writer, b"B", "before")
+    queued(writer, 1)
+    closing: list[object] = []
+
+    def send_last() -> None:
+        writer.send([b"CLOSE"], last=lambda: ConnectionAbortedError("closed"))
+        closing.append("ok")
+
+    closer = start(send_last, "closer")
+    queued(writer, 2)
+    # `last` took effect as the close was queued: no later send gets in behind it.
+    with pytest.raises(ConnectionAbortedError, match="closed"):
+        writer.send([b"late"])
+    sock.release_all()
+    for t in (leader, before, closer):
+        t.join(JOIN)
+    assert before_out == closing == ["ok"]
+    assert bytes(sock.data) == b"ABCLOSE"
+
+
+class FlakySocket:
+    """A socket with random stalls and short writes, and a failure on demand."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.data = bytearray()
+        self.rng = rng
+        self.broken = False
+        self._lock = threading.Lock()
+
+    def sendall(self, payload: bytes) -> None:
+        view = memoryview(payload)
+        while view:
+            if self.broken:
+                raise ConnectionResetError(104, "Connection reset by peer")
+            n = self.rng.randint(1, max(1, len(view)))  # a short write
+            with self._lock:
+                self.data += view[:n]
+            view = view[n:]
+            if self.rng.random() < 0.05:
+                time.sleep(self.rng.random() * 0.002)  # a stall
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_every_send_that_returned_is_written_once_whole_and_in_order(
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    sock = FlakySocket(random.Random(seed + 1000))
+    writer = make_writer(sock)
+    threads = rng.randint(2, 50)
+    per_thread = rng.randint(20, 120)
+    fail_after = rng.choice([None, rng.uniform(0.01, 0.2)])
+    returned: list[list[int]] = [[] for _ in range(threads)]
+    overdue: list[float] = []
+    sizes = [10, 100, 1000, 60_000, 64 * 1024, 70_000]
+
+    def publisher(t: int) -> None:
+        r = random.Random(seed * 1000 + t)
+        for i in range(per_thread):
+            body = b"." * r.choice(sizes)
+            timeout = r.choice([None, 0.05, 1.0])
+            begun = time.monotonic()
+            try:
+                writer.send([b"<%d:%d:" % (t, i), body, b">"], timeout=timeout)
+            except TimeoutError:
+                pass  # not written, or said it may have been: checked below
+            except ConnectionError:
+                return
+            else:
+                returned[t].append(i)
+            if timeout is not None and time.monotonic() - begun > timeout + 5.0:
+                overdue.append(time.monotonic() - begun)
+
+    workers = [start(partial(publisher, t), f"pub-{t}") for t in range(threads)]
+    if fail_after is not None:
+        time.sleep(fail_after)  # a random moment of the run, not a synchronisation
+        sock.broken = True
+    for w in workers:
+        w.join(JOIN * 2)
+        assert not w.is_alive(), "a sender hung"
+    assert not overdue, f"waits past their timeout: {overdue}"
+    data = bytes(sock.data)
+    whole = re.findall(rb"<(\d+):(\d+):\.*>", data)
+    written = [(int(t), int(i)) for t, i in whole]
+    assert len(set(written)) == len(written), "a message was written twice"
+    for t in range(threads):
+        mine = [i for tt, i in written if tt == t]
+        assert mine == sorted(mine), f"thread {t}'s messages out of order"
+        missing = set(returned[t]) - set(mine)
+        assert not missing, f"thread {t}: sends returned OK but not written: {sorted(missing)}"
+    if fail_after is None:
+        assert b"".join(m.group(0) for m in re.finditer(rb"<\d+:\d+:\.*>", data)) == data

@@ -67,11 +67,10 @@ class Channel(pyamqp.Channel):
     def __init__(self, connection: Connection, *args: Any, **kwargs: Any) -> None:
         self.confirms = Confirms(connection.waiters)
         self._confirm_mode = False
-        # Held around numbering and writing a publish (and Confirm.Select), so this
-        # channel's delivery tags follow its write order: the writer holds no lock.
-        self._order_lock = threading.Lock()
         self._close_error: BaseException | None = None  # the broker closed this channel
         self._prepared: dict[int, Waiter] = {}  # thread id -> wait registered before writing
+        # A Basic.Return read just before its message's ack (reading thread only).
+        self._returned: tuple[bytes, Any] | None = None
         self._ended_connection: Connection | None = None
         super().__init__(connection, *args, **kwargs)
 
@@ -251,8 +250,14 @@ class Channel(pyamqp.Channel):
     def dispatch_method(self, method_sig: tuple[int, int], payload: bytes, content: Any) -> None:
         if method_sig in _EVENTS:
             delivery_tag, multiple = unpack_from(">QB", payload, 4)
+            if self._returned is not None:
+                self._settle_returned(method_sig, delivery_tag)
             self.confirms.settle(method_sig, delivery_tag, bool(multiple))
             if not self.events.get(_EVENTS[method_sig]):
+                return
+        elif method_sig == spec.Basic.Return and self._confirm_mode:
+            if not self.events.get("basic_return"):
+                self._returned = (payload, content)  # its ack comes next: see _settle_returned
                 return
         elif method_sig not in _QUEUED:
             return super().dispatch_method(method_sig, payload, content)
@@ -264,6 +269,22 @@ class Channel(pyamqp.Channel):
         self.connection.inbox.post(key, super().dispatch_method, method_sig, payload, content)
         if waiter is not None:
             waiter(method_sig, _consumer_tag(payload))
+
+    def _settle_returned(self, method_sig: tuple[int, int], delivery_tag: int) -> None:
+        """A message returned with no ``basic_return`` listener: as stock py-amqp, which
+        raises the broker's error (312 NO_ROUTE, ...) in the thread that waits for the
+        message's confirm, the waiter of the ack that follows the Return gets the error.
+        With nobody waiting for that ack, the Return goes to ``drain_events()``."""
+        payload, content = self._returned or (b"", None)
+        self._returned = None
+        reply_code = unpack_from(">H", payload, 4)[0]
+        reply_text = payload[7 : 7 + payload[6]].decode(errors="replace")
+        error = error_for_code(reply_code, reply_text, spec.Basic.Return, ChannelError)
+        if method_sig != _ACK or not self.confirms.fail(delivery_tag, error):
+            key = (self.channel_id, None)
+            self.connection.inbox.post(
+                key, super().dispatch_method, spec.Basic.Return, payload, content
+            )
 
     def _on_close(self, reply_code: int, reply_text: str, class_id: int, method_id: int) -> None:
         conn = self.connection
@@ -283,6 +304,7 @@ class Channel(pyamqp.Channel):
 
     def _do_revive(self) -> None:
         self._confirm_mode = False
+        self._returned = None
         self.confirms.reset()
         super()._do_revive()
 
@@ -293,14 +315,13 @@ class Channel(pyamqp.Channel):
             return super().confirm_select(nowait)
         waiter = None if nowait else self._expect(conn, spec.Confirm.SelectOk)
         try:
-            with self._order_lock:
-                conn.send_frames(
-                    self.channel_id,
-                    spec.Confirm.Select,
-                    dumps("b", (nowait,)),
-                    None,
-                    number=self._start_numbering,  # publishes are numbered from here on
-                )
+            conn.send_frames(
+                self.channel_id,
+                spec.Confirm.Select,
+                dumps("b", (nowait,)),
+                None,
+                number=self._start_numbering,  # publishes are numbered from here on
+            )
             if waiter is not None:
                 self._await(waiter, conn, None)
         finally:
@@ -352,7 +373,7 @@ class Channel(pyamqp.Channel):
         conn.wait_unblocked(timeout)
         tag = 0
 
-        def number() -> None:  # just before the append: the delivery tag is the write order
+        def number() -> None:  # as it is queued: the delivery tag is the write order
             nonlocal tag
             if self._confirm_mode:
                 tag = self.confirms.number(waiter)
@@ -365,19 +386,12 @@ class Channel(pyamqp.Channel):
             )
         try:
             if chunks is not None:
-                with self._order_lock:
-                    conn.send_encoded(chunks, number=number, timeout=timeout)
+                conn.send_encoded(chunks, number=number, timeout=timeout)
             else:
                 args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
-                with self._order_lock:
-                    conn.send_frames(
-                        self.channel_id,
-                        spec.Basic.Publish,
-                        args,
-                        msg,
-                        number=number,
-                        timeout=timeout,
-                    )
+                conn.send_frames(
+                    self.channel_id, spec.Basic.Publish, args, msg, number=number, timeout=timeout
+                )
         except TimeoutError as exc:
             self.confirms.drop(tag)
             raise RecoverableConnectionError("basic_publish: timed out") from exc

@@ -15,9 +15,9 @@ Drainer (``True``)
 
 Shared by both modes: replies and confirms are registered before the request is
 written (:mod:`.waits`), writes go through one group-committing :class:`~.writer.Writer`
-(write-behind: a publish returns once queued for the thread that is writing),
-user callbacks are queued in an :class:`~.waits.Inbox` that ``drain_events()`` runs, and
-one :meth:`Connection.end` records why the connection ended and wakes every waiter.
+(a call returns once its frames are in the socket), user callbacks are queued in an
+:class:`~.waits.Inbox` that ``drain_events()`` runs, and one :meth:`Connection.end`
+records why the connection ended and wakes every waiter.
 
 Threading contract (both modes)
     * Publishing and synchronous methods may be called from any thread, each thread
@@ -52,9 +52,9 @@ from typing import Any
 
 import amqp
 from amqp import spec
-from amqp.abstract_channel import AbstractChannel
 from amqp.exceptions import AMQPError, RecoverableConnectionError
 from amqp.method_framing import frame_writer as amqp_frame_writer
+from amqp.serialization import dumps
 
 from .channel import CLOSE_TIMEOUT, Channel
 from .drainer import Drainer
@@ -190,11 +190,11 @@ class Connection(amqp.Connection):
         timeout: float | None = None,
         type_: int = 1,
         block: bool = True,
+        last: Callable[[], BaseException] | None = None,
     ) -> None:
         """Encode one method (with its content, if any) and send its frames whole, after
-        everything sent before; ``number`` runs in write order (delivery tags).
-        ``block=False``: return once appended if another thread is flushing (see
-        :meth:`Writer.send`)."""
+        everything sent before; see :meth:`Writer.send` for ``number``, ``block`` and
+        ``last``."""
         writer = self.writer
         if writer is None:
             raise self.error_for_caller()
@@ -202,7 +202,7 @@ class Connection(amqp.Connection):
         with self._encode_lock:
             self._encode(type_, channel, method_sig, args, content)
             chunks, collector.chunks = collector.chunks, []
-        writer.send(chunks, number=number, timeout=timeout, block=block)
+        writer.send(chunks, number=number, timeout=timeout, block=block, last=last)
 
     def send_encoded(
         self,
@@ -328,7 +328,7 @@ class Connection(amqp.Connection):
         lost.__cause__ = error
         return lost
 
-    def _write_failed(self, error: OSError) -> BaseException:
+    def _write_failed(self, error: BaseException) -> BaseException:
         self.end(self.as_connection_error(error))
         return self.error_for_caller()
 
@@ -387,9 +387,10 @@ class Connection(amqp.Connection):
                 closed_ok = Waiter()
                 self._closed_ok = closed_ok
                 self.is_closing = True
-                args = (reply_code, reply_text, method_sig[0], method_sig[1])
+                args = dumps(argsig, (reply_code, reply_text, method_sig[0], method_sig[1]))
                 try:
-                    AbstractChannel.send_method(self, spec.Connection.Close, argsig, args)
+                    # After everything that returned before it; nothing can follow it.
+                    self.send_frames(0, spec.Connection.Close, args, None, last=lambda: intentional)
                     self.end(intentional)
                     self.reader.wait(closed_ok, deadline, closing=True)
                 except (OSError, AMQPError, TimeoutError, ConnectionClosedIntentionally):

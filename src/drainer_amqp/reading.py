@@ -9,10 +9,7 @@ shared by both modes.
   only sleeps.
 * Legacy mode: :class:`LockReader`. The waiting thread reads frames itself while it holds
   the transport lock, until its awaitable is ready, as stock py-amqp does. Whoever reads
-  a frame dispatches it, so a thread may fill another thread's wait. A reader first
-  writes what other threads queued (:meth:`~drainer_amqp.writer.Writer.flush`): the
-  writer does not wait for its bytes to be written, and a thread reading under the
-  lock would otherwise keep a request from being written while it waits for its reply.
+  a frame dispatches it, so a thread may fill another thread's wait.
 """
 
 from __future__ import annotations
@@ -62,17 +59,11 @@ class LockReader:
             if not closing:
                 conn.raise_if_ended()
             remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
-            writer = conn.writer
-            if writer is not None:
-                writer.flush(remaining)
-                remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
             if not lock.acquire(timeout=-1 if remaining is None else remaining):
                 raise TimeoutError()
             try:
                 if awaitable.ready():
                     return  # another reader filled it while we waited for the lock
-                if writer is not None and writer.queued:
-                    continue  # appended since our flush: write it before reading
                 if not closing:
                     conn.raise_if_ended()
                 remaining = None if deadline is None else max(deadline - monotonic(), 0.0)

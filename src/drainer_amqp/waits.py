@@ -101,6 +101,15 @@ class Confirms:
         if waiter is not None:
             self._waiters.discard(waiter)
 
+    def fail(self, tag: int, error: BaseException) -> bool:
+        """The message of ``tag`` was returned: its waiter (if any) gets ``error``."""
+        with self._lock:
+            waiter = self._waiting.pop(tag, None)
+        if waiter is None:
+            return False
+        waiter.fail(error)
+        return True
+
     def settle(self, method_sig: tuple[int, int], delivery_tag: int, multiple: bool) -> None:
         """An ack or nack arrived: wake the waiters of every tag it covers, in one pass."""
         with self._lock:

@@ -1,50 +1,73 @@
 """The write side of a connection's socket, shared by every thread (group commit).
 
 A thread with a complete message (all its frames, already encoded) calls
-:meth:`Writer.send`, which appends the message to one queue; messages go out whole, in
-the order they were appended. Then:
+:meth:`Writer.send`. Messages go out whole, in the order they were queued, and:
 
-* If no thread is writing, this thread becomes the *flusher*: it writes everything
-  queued in one ``sendall``, and again while more was appended meanwhile.
-* If a flusher is busy, the message is left to it and ``send`` returns at once
-  (write-behind): a busy socket costs one system call per batch, not per message.
-* To bound how long a flusher's own call lasts, one other thread at a time offers to
-  take over. The flusher hands the socket to it after the batch it is writing, so a
-  flusher writes one batch, or two, and returns.
+* **Returned means written.** ``send`` returns once the message's bytes are in the
+  socket (``sendall`` returned), never before. So anything a thread does after it (a
+  ``close()``, an exit) comes after the message on the wire, and a link failure loses
+  only what the kernel had accepted, as with stock py-amqp.
+* **One writer at a time, in turns.** If nobody is writing, the caller becomes the
+  *leader* and writes its own message. Otherwise it joins the queue and sleeps. When
+  a leader's write is done, it wakes every waiter whose message it wrote and hands the
+  whole queue to the first waiter in it, who writes that queue as one batch (one
+  ``sendall``), and so on. First come, first served: a call waits for at most the
+  batch being written, then its own batch is written (by itself or by the leader
+  ahead of it). Nobody waits behind a stream of newcomers, and a leader writes its
+  own batch, then at most the replies nobody waits for, before it returns.
+* **A failure reaches every waiter at once.** :meth:`fail` makes every queued message
+  raise the connection's reason (none of them was written) and every later ``send``
+  raise it; the leader's write of its batch either ends (written: those calls return)
+  or fails (the socket was shut down: they raise).
+* **A last message.** ``send(..., last=error)`` queues a message (``Connection.Close``)
+  and refuses every later ``send`` with ``error()`` in the same step, so nothing can be
+  written behind it and reported as sent.
 
-No lock is held per message: appending to a ``deque`` and trying the flusher's lock
-without blocking are atomic. That is the point. Under the GIL, a thread switched out
-while it holds a lock every publisher needs makes each of them block on it in turn,
-and the switches, not the bytes, become the cost.
+``block=False`` (heartbeats, and the replies of the thread that reads) never sleeps:
+the message is queued for the leader, or written at once when nobody is writing.
 
-``send`` returns once the message is in the socket or queued for the flusher that is
-writing, as a plain ``sendall`` returns once the bytes are in the kernel's buffer:
-neither means the broker has them (publisher confirms do). If the connection fails
-first, what is still queued is dropped with it, and every later ``send`` raises the
-connection's reason (:meth:`fail`).
-
-The queue is bounded: a thread that finds ``limit`` messages queued waits (bounded by
-its timeout) to write them itself, instead of letting the queue grow.
+The queue holds at most one waiting message per thread, plus those replies, so it
+needs no bound of its own.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Writer"]
 
-#: Default bound on messages queued but not yet written.
-QUEUE_LIMIT = 1024
-#: Messages at least this large are written by their own thread, so a full queue holds
-#: at most QUEUE_LIMIT small messages (bytes).
-LARGE = 64 * 1024
-#: How long a thread offering to take over waits for the flusher's batch to end before
-#: it leaves its message to the flusher and returns (seconds).
-TAKE_OVER_WAIT = 0.1
+_QUEUED, _WRITTEN, _FAILED, _LEAD = range(4)
+
+
+class _Message:
+    """One queued message and the wake-up of the thread that waits for it."""
+
+    __slots__ = ("chunks", "state", "batch", "_signal")
+
+    def __init__(self, chunks: list[bytes | memoryview], waits: bool) -> None:
+        self.chunks = chunks
+        self.state = _QUEUED  # written under the writer's lock, or by the leader
+        self.batch: list[_Message] = []  # what to write, when handed the lead
+        self._signal: threading.Lock | None = None
+        if waits:
+            self._signal = threading.Lock()
+            self._signal.acquire()
+
+    @property
+    def waits(self) -> bool:
+        return self._signal is not None
+
+    def wake(self, state: int) -> None:
+        self.state = state
+        if self._signal is not None:
+            self._signal.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        assert self._signal is not None
+        return self._signal.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
 
 
 class Writer:
@@ -54,55 +77,38 @@ class Writer:
     (a legacy reader changes the socket's timeout, so nobody may write meanwhile), in
     drainer mode a lock of its own that only TLS reads share (an ``SSLSocket`` may not
     be read and written at once). ``on_error`` turns a socket error into the
-    connection's reason (ending the connection) and returns the error to raise.
+    connection's reason (ending the connection, which calls :meth:`fail`) and returns
+    the error to raise.
     """
 
     def __init__(
         self,
         sock: socket.socket,
         io_lock: Any,
-        on_error: Callable[[OSError], BaseException],
-        limit: int = QUEUE_LIMIT,
+        on_error: Callable[[BaseException], BaseException],
     ) -> None:
         self.io_lock = io_lock
         self._sock = sock
         self._on_error = on_error
-        self._limit = limit
-        self._queue: deque[list[bytes | memoryview]] = deque()  # thread-safe on its own
-        # Held by the flusher, from taking the first batch to its last write: whoever
-        # holds it is the only thread that takes from the queue and writes the socket.
-        self._flushing = threading.Lock()
-        # guards _successor; taken once per batch at most, never per message
-        self._handover = threading.Lock()
-        # The thread that takes over next waits on this (a held lock), until the
-        # flusher releases it: then that thread holds the flusher's role.
-        self._successor: threading.Lock | None = None
-        self._error: Callable[[], BaseException] | None = None  # set once, by fail()
+        # Guards _queue, _leading and _error. Held to queue a message or to hand the
+        # lead over; never across a write or a wait. Taken by every sending thread.
+        self._lock = threading.Lock()
+        self._queue: list[_Message] = []
+        self._leading = False  # a thread holds the lead: it writes, or is about to
+        self._error: Callable[[], BaseException] | None = None  # set by fail() or a last send
 
     @property
     def busy(self) -> bool:
-        """A flusher is writing (so the connection is sending traffic)."""
-        return self._flushing.locked()
-
-    @property
-    def queued(self) -> bool:
-        """Something is appended and not yet taken by a flusher."""
-        return bool(self._queue)
-
-    def flush(self, timeout: float | None) -> None:
-        """Return once everything queued before the call is written: take the flusher's
-        role (waiting at most ``timeout``, else ``TimeoutError``) and write the queue.
-        A legacy reader calls it before it reads, as a reply cannot come before its
-        request is written."""
-        if not self._queue and not self._flushing.locked():
-            return
-        self._take_role(timeout)
-        self._flush()
+        """A leader is writing (so the connection is sending traffic)."""
+        return self._leading
 
     def fail(self, error: Callable[[], BaseException]) -> None:
-        """Refuse every later send with ``error()`` and drop what is queued."""
-        self._error = error
-        self._queue.clear()
+        """Refuse every later send with ``error()``; every queued message raises it."""
+        with self._lock:
+            self._error = error
+            queued, self._queue = self._queue, []
+        for message in queued:
+            message.wake(_FAILED)
 
     def send(
         self,
@@ -111,116 +117,97 @@ class Writer:
         number: Callable[[], Any] | None = None,
         timeout: float | None = None,
         block: bool = True,
+        last: Callable[[], BaseException] | None = None,
     ) -> None:
-        """Queue ``data`` (the frames of one message) after everything appended before,
-        and write it unless a busy flusher will.
+        """Write ``data`` (the frames of one message) after everything queued before it;
+        return once it is written.
 
-        ``number`` is called just before the append, so what it numbers (delivery
-        tags) follows the write order, provided the caller orders its own sends (a
-        channel does, with its lock). ``block=False`` (heartbeats, and the replies of
-        the thread that reads) never waits: not for room, not to take over. Raises the
-        connection's reason after :meth:`fail`, ``TimeoutError`` when the queue stayed
-        full for ``timeout``, or the socket's error when this thread's write failed.
+        ``number`` is called as the message takes its place in the queue, so what it
+        numbers (delivery tags) follows the write order. ``block=False``: return at once
+        if another thread is writing (the message goes out with its batch). ``last``:
+        refuse every later send with ``last()``. Raises the connection's reason when it
+        failed before the message was written, ``TimeoutError`` when the message waited
+        ``timeout`` without being written (it was not, unless the error says it may
+        have been), or the socket's error when this thread's write failed.
         """
-        if self._error is not None:
-            raise self._error()
-        queue = self._queue
-        if block and (len(queue) >= self._limit or sum(map(len, data)) >= LARGE):
-            self._take_role(timeout)  # write it ourselves
+        message = _Message(data, block)
+        with self._lock:
             if self._error is not None:
-                self._flushing.release()
                 raise self._error()
             if number is not None:
                 number()
-            queue.append(data)
-            self._flush()
-            if self._error is not None:
-                raise self._error()  # it may not have been written
-            return
-        if number is not None:
-            number()
-        queue.append(data)
-        if self._flushing.acquire(False):
-            self._flush()
-        elif block and self._successor is None:
-            self._offer_to_take_over()
+            if last is not None:
+                self._error = last
+            lead = not self._leading
+            if lead:
+                self._leading = True
+            else:
+                self._queue.append(message)  # from here on only the leaders touch it
+        if lead:
+            self._lead([message], message)
+        elif block:
+            self._await_turn(message, timeout)
 
-    def _take_role(self, timeout: float | None) -> None:
-        """Wait at most ``timeout`` to become the flusher, else ``TimeoutError``."""
-        if not self._flushing.acquire(timeout=-1 if timeout is None else timeout):
-            raise TimeoutError("write timed out: the socket is not draining")
+    def _await_turn(self, message: _Message, timeout: float | None) -> None:
+        """Sleep until ``message`` is written (return), failed (raise), or handed the
+        lead (write its batch)."""
+        if not message.wait(timeout):
+            with self._lock:
+                try:
+                    self._queue.remove(message)
+                except ValueError:
+                    pass  # taken into a batch: being written, or handed to us to write
+                else:
+                    raise TimeoutError("write timed out: the socket is not draining")
+            if message.state != _LEAD:
+                raise TimeoutError(
+                    "write timed out while its batch was being written: it may have been"
+                )
+        if message.state == _FAILED:
+            assert self._error is not None  # on_error ends the connection: fail() ran
+            raise self._error()
+        if message.state == _LEAD:
+            self._lead(message.batch, message)
 
-    def _offer_to_take_over(self) -> None:
-        """Another thread is flushing: wait (at most ``TAKE_OVER_WAIT``) to flush after
-        it, unless a thread already offered."""
-        if not self._handover.acquire(False):
-            return  # the flusher is handing over right now: to someone else
-        try:
-            if self._successor is not None:
-                return
-            turn = self._successor = threading.Lock()
-            turn.acquire()
-        finally:
-            self._handover.release()
-        if not turn.acquire(timeout=TAKE_OVER_WAIT):
-            with self._handover:
-                handed = self._successor is not turn
-                if not handed:
-                    self._successor = None
-            if not handed:
-                # The flusher writes our message; but it may have finished just now.
-                if self._queue and self._flushing.acquire(False):
-                    self._flush()
-                return
-        # We hold the flusher's role now.
-        if self._error is not None:
-            self._flushing.release()
-            raise self._error()  # what we queued was dropped with the connection
-        self._flush()
-
-    def _flush(self) -> None:
-        """Write batches until nothing is queued or a successor takes over; called
-        holding ``_flushing``, which it releases or hands over."""
-        queue = self._queue
+    def _lead(self, batch: list[_Message], mine: _Message) -> None:
+        """Write ``batch`` (which holds ``mine``), wake its waiters, then hand the queue
+        to the first waiter in it (or write it too, if nobody in it waits); release the
+        lead when nothing is queued."""
         while True:
             try:
-                while queue and self._error is None:
-                    self._write_batch(queue)
-                    if self._successor is not None and queue and self._hand_over():
-                        return  # the successor holds _flushing from here on
+                self._write(batch)
             except BaseException:
-                if not self._hand_over():  # a successor learns of the failure at once
-                    self._flushing.release()
+                with self._lock:
+                    self._leading = False
+                    queued, self._queue = self._queue, []
+                for message in batch + queued:
+                    if message is not mine:
+                        message.wake(_FAILED)
                 raise
-            if self._successor is not None and self._hand_over():
-                return  # nothing left, or the connection failed: the successor sees which
-            self._flushing.release()
-            # A thread that found us busy may have appended after our last look.
-            if not queue or self._error is not None or not self._flushing.acquire(False):
+            for message in batch:
+                if message is not mine:
+                    message.wake(_WRITTEN)
+            with self._lock:
+                batch, self._queue = self._queue, []
+                if not batch:
+                    self._leading = False
+                    return
+                successor = next((m for m in batch if m.waits), None)
+                if successor is not None:
+                    successor.batch = batch
+                    successor.state = _LEAD
+            if successor is not None:
+                successor.wake(_LEAD)
                 return
 
-    def _write_batch(self, queue: deque[list[bytes | memoryview]]) -> None:
-        chunks: list[bytes | memoryview] = []
-        for _ in range(len(queue)):  # what is there now; later appends go in the next
-            try:
-                chunks += queue.popleft()
-            except IndexError:  # fail() dropped the queue meanwhile
-                break
-        if not chunks or self._error is not None:
-            return
+    def _write(self, batch: list[_Message]) -> None:
+        chunks = [chunk for message in batch for chunk in message.chunks]
         payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         try:
             with self.io_lock:
                 self._sock.sendall(payload)
         except OSError as exc:
             raise self._on_error(exc) from exc
-
-    def _hand_over(self) -> bool:
-        """Pass the flusher's role (``_flushing``, still held) to the thread that
-        offered to take over; False if it gave up meanwhile."""
-        with self._handover:
-            turn, self._successor = self._successor, None
-        if turn is None:
-            return False
-        turn.release()
-        return True
+        except BaseException as exc:  # interrupted mid-write: the stream may end mid-frame
+            self._on_error(exc)
+            raise

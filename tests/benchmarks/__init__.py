@@ -72,7 +72,7 @@ BLOCKING_FRAMES = frozenset(
         "write_frame",
         "write_frame_under_lock",
         "_writer_turns",
-        "_take_role",  # Writer: a legacy reader waits for the writer's turn before it reads
+        "_await_turn",  # Writer: a thread waits for its batch to be written
     }
 )
 

@@ -1,0 +1,331 @@
+"""What a call that returned promises, against the real broker, in both modes.
+
+A publish that returned is written before anything the caller does afterwards that ends
+the connection: ``close()``, kombu's ``release()``, ``channel.close()``, a plain exit.
+Checked by message identity: every body is unique, and every body whose publish
+returned must be in the queue. Publishing threads all make progress, and a failure
+reaches a thread waiting in the writer at once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import kombu
+import pytest
+from amqp import Message
+from amqp.exceptions import ChannelError, RecoverableConnectionError
+from support.broker import BROKER_HOST, JOIN, unique_name, wait_until
+
+import drainer_amqp
+
+MODES = ["drainer", "legacy"]
+THREADS = 10
+
+
+def queue_bodies(name: str) -> list[bytes]:
+    """Every message body in queue ``name``, taken with basic_get (acked)."""
+    conn = drainer_amqp.Connection(host=BROKER_HOST)
+    conn.connect()
+    try:
+        channel = conn.channel()
+        bodies: list[bytes] = []
+        while True:
+            message = channel.basic_get(name, no_ack=True)
+            if message is None:
+                return bodies
+            bodies.append(message.body)
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def fresh_queue() -> Iterator[str]:
+    """A unique queue, declared and deleted by a connection of its own."""
+    name = unique_name("drainer-promise")
+    conn = drainer_amqp.Connection(host=BROKER_HOST)
+    conn.connect()
+    conn.channel().queue_declare(name, auto_delete=False)
+    yield name
+    conn.channel().queue_delete(name)
+    conn.close()
+
+
+class Publishers:
+    """``n`` threads publishing unique bodies until told to stop or the connection ends.
+
+    ``returned[i]`` holds the bodies whose publish returned OK in thread ``i``;
+    ``started`` is set once every thread has published at least once."""
+
+    def __init__(self, n: int, publish: Callable[[int, bytes], object]) -> None:
+        self.returned: list[list[bytes]] = [[] for _ in range(n)]
+        self.longest = [0.0] * n
+        self.errors: list[BaseException | None] = [None] * n
+        self.stop = threading.Event()
+        self._publish = publish
+        self._ready = threading.Barrier(n + 1)
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), name=f"publisher-{i}", daemon=True)
+            for i in range(n)
+        ]
+
+    def __enter__(self) -> Publishers:
+        for thread in self.threads:
+            thread.start()
+        self._ready.wait(JOIN)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(JOIN)
+            assert not thread.is_alive(), f"{thread.name} hung"
+
+    def _run(self, i: int) -> None:
+        mine = self.returned[i]
+        n = 0
+        try:
+            while not self.stop.is_set():
+                body = b"%d-%d" % (i, n)
+                start = time.perf_counter()
+                self._publish(i, body)
+                self.longest[i] = max(self.longest[i], time.perf_counter() - start)
+                mine.append(body)
+                if n == 0:
+                    self._ready.wait(JOIN)
+                n += 1
+        except BaseException as exc:  # noqa: BLE001 - a closed connection ends the loop
+            self.errors[i] = exc
+            if n == 0:
+                self._ready.abort()
+
+    def wait_for(self, count: int) -> None:
+        """Until every thread has published ``count`` messages."""
+        assert wait_until(lambda: min(map(len, self.returned)) >= count, JOIN), self.counts()
+
+    def counts(self) -> list[int]:
+        return [len(r) for r in self.returned]
+
+    def all_returned(self) -> set[bytes]:
+        return {body for bodies in self.returned for body in bodies}
+
+
+def assert_delivered(returned: set[bytes], name: str) -> None:
+    in_queue = set(queue_bodies(name))
+    lost = returned - in_queue
+    assert not lost, f"{len(lost)} of {len(returned)} returned publishes lost: {sorted(lost)[:5]}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_while_threads_publish_keeps_every_returned_publish(
+    mode: str, fresh_queue: str
+) -> None:
+    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=mode == "drainer")
+    conn.connect()
+    channels = [conn.channel() for _ in range(THREADS)]
+
+    def publish(i: int, body: bytes) -> None:
+        channels[i].basic_publish(Message(body), routing_key=fresh_queue)
+
+    with Publishers(THREADS, publish) as publishers:
+        publishers.wait_for(50)
+        start = time.perf_counter()
+        conn.close()
+        took = time.perf_counter() - start
+    assert took < 1.0, f"close() took {took:.2f}s while threads published"
+    for error in publishers.errors:  # a closed connection, or a channel it closed
+        assert isinstance(
+            error, (drainer_amqp.ConnectionClosedIntentionally, RecoverableConnectionError)
+        ), repr(error)
+    assert_delivered(publishers.all_returned(), fresh_queue)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kombu_release_while_threads_publish_keeps_every_returned_publish(
+    mode: str, fresh_queue: str
+) -> None:
+    conn = kombu.Connection(
+        f"amqp://guest:guest@{BROKER_HOST}//",
+        transport="drainer_amqp:Transport",
+        transport_options={"dedicated_drainer": mode == "drainer"},
+    )
+    conn.connect()
+    producers = [kombu.Producer(conn.channel()) for _ in range(THREADS)]
+
+    def publish(i: int, body: bytes) -> None:
+        producers[i].publish(body, routing_key=fresh_queue, retry=False)
+
+    with Publishers(THREADS, publish) as publishers:
+        publishers.wait_for(50)
+        start = time.perf_counter()
+        conn.release()
+        took = time.perf_counter() - start
+    assert took < 1.0, f"release() took {took:.2f}s while threads published"
+    assert_delivered(publishers.all_returned(), fresh_queue)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_channel_close_comes_after_every_returned_publish_on_it(
+    mode: str, fresh_queue: str
+) -> None:
+    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=mode == "drainer")
+    conn.connect()
+    try:
+        others = [conn.channel() for _ in range(THREADS - 1)]
+        mine = conn.channel()
+        sent = []
+
+        def publish(i: int, body: bytes) -> None:
+            others[i].basic_publish(Message(body), routing_key=fresh_queue)
+
+        with Publishers(THREADS - 1, publish) as publishers:
+            publishers.wait_for(20)
+            for n in range(200):
+                body = b"mine-%d" % n
+                mine.basic_publish(Message(body), routing_key=fresh_queue)
+                sent.append(body)
+            mine.close()
+        returned = publishers.all_returned()
+    finally:
+        conn.close()
+    assert_delivered(returned | set(sent), fresh_queue)
+
+
+EXIT_SCRIPT = """
+import sys, threading
+import drainer_amqp
+from amqp import Message
+
+queue, mode = sys.argv[1], sys.argv[2]
+conn = drainer_amqp.Connection(host={host!r}, dedicated_drainer=mode == "drainer")
+conn.connect()
+started = threading.Barrier(4)
+
+def spam(i):
+    channel = conn.channel()
+    n = 0
+    while True:
+        channel.basic_publish(Message(b"daemon-%d-%d" % (i, n)), routing_key=queue)
+        if n == 0:
+            started.wait()
+        n += 1
+
+for i in range(3):
+    threading.Thread(target=spam, args=(i,), daemon=True).start()
+started.wait()
+channel = conn.channel()
+for n in range(20):
+    channel.basic_publish(Message(b"main-%d" % n), routing_key=queue)
+# no close(): the script just ends
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_script_that_publishes_and_exits_delivers_what_returned(
+    mode: str, fresh_queue: str
+) -> None:
+    script = textwrap.dedent(EXIT_SCRIPT).format(host=BROKER_HOST)
+    for _ in range(5):
+        subprocess.run(
+            [sys.executable, "-c", script, fresh_queue, mode], check=True, timeout=JOIN * 2
+        )
+        main = [b for b in queue_bodies(fresh_queue) if b.startswith(b"main-")]
+        assert sorted(main) == sorted(b"main-%d" % n for n in range(20)), main
+
+
+@pytest.mark.parametrize("threads", [10, 100])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_publishing_thread_makes_progress(mode: str, threads: int, fresh_queue: str) -> None:
+    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=mode == "drainer")
+    conn.connect()
+    try:
+        channels = [conn.channel() for _ in range(threads)]
+
+        def publish(i: int, body: bytes) -> None:
+            channels[i].basic_publish(Message(body), routing_key=fresh_queue, timeout=5.0)
+
+        with Publishers(threads, publish) as publishers:
+            threading.Event().wait(3.0)  # the run's length, not a synchronisation
+        counts = publishers.counts()
+    finally:
+        conn.close()
+    assert not any(publishers.errors), publishers.errors
+    mean = sum(counts) / len(counts)
+    assert min(counts) >= 0.05 * mean, f"a thread starved: {counts}"
+    assert max(publishers.longest) < 2.0, f"longest publish {max(publishers.longest):.3f}s"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_thread_waiting_in_the_writer_learns_of_a_failure_at_once(mode: str) -> None:
+
+    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=mode == "drainer")
+    conn.connect()
+    try:
+        channel = conn.channel()
+        writer = conn.writer
+        assert writer is not None
+        # Hold the socket's write lock: the leader's write waits, the next publish queues.
+        io_lock = writer.io_lock
+        io_lock.acquire()
+        outcome: list[BaseException | None] = []
+        raised_at: list[float] = []
+
+        def publish() -> None:
+            try:
+                channel.basic_publish(Message(b"x"), routing_key="nowhere")
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001
+                outcome.append(exc)
+            raised_at.append(time.perf_counter())
+
+        leader = threading.Thread(target=publish, name="leader")
+        follower = threading.Thread(target=publish, name="follower")
+        leader.start()
+        assert wait_until(lambda: writer.busy, JOIN)
+        follower.start()
+        assert wait_until(lambda: bool(writer._queue), JOIN), "the follower did not queue"
+        failed_at = time.perf_counter()
+        conn.end(drainer_amqp.ConnectionLost("test: link failed"))
+        follower.join(JOIN)
+        assert not follower.is_alive()
+        assert isinstance(outcome[0], drainer_amqp.ConnectionLost), outcome
+        assert raised_at[0] - failed_at < 0.1
+        io_lock.release()
+        leader.join(JOIN)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", ["py-amqp", "kombu"])
+def test_an_unroutable_mandatory_publish_raises_no_route(mode: str, api: str) -> None:
+    key = unique_name("drainer-no-queue")
+    if api == "py-amqp":
+        conn = drainer_amqp.Connection(
+            host=BROKER_HOST, dedicated_drainer=mode == "drainer", confirm_publish=True
+        )
+        conn.connect()
+        try:
+            channel = conn.channel()
+            with pytest.raises(ChannelError) as info:
+                channel.basic_publish(Message(b"x"), routing_key=key, mandatory=True)
+            assert info.value.reply_code == 312
+            channel.basic_publish(Message(b"y"), routing_key=key)  # not mandatory: fine
+        finally:
+            conn.close()
+    else:
+        with kombu.Connection(
+            f"amqp://guest:guest@{BROKER_HOST}//",
+            transport="drainer_amqp:Transport",
+            transport_options={"dedicated_drainer": mode == "drainer", "confirm_publish": True},
+        ) as conn:
+            producer = kombu.Producer(conn.channel())
+            with pytest.raises(ChannelError) as info:
+                producer.publish(b"x", routing_key=key, mandatory=True, retry=False)
+            assert info.value.reply_code == 312
