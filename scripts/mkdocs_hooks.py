@@ -1,11 +1,14 @@
-"""MkDocs hook: the benchmark plots of the last run, when there is one.
+"""MkDocs hooks: the benchmark plots of the last run, and Sphinx roles in docstrings.
 
 ``bash scripts/bench.sh`` writes its PNG plots into ``bench-results/`` (or
 ``$DRAINER_BENCH_OUT``), which is not committed. A page shows a plot as
 ``![caption](bench/NAME.png)``: when that run's ``NAME.png`` exists, it is published at
 ``bench/NAME.png``; when it does not, the page shows ``assets/NAME.png`` (a plot of the
-figures the page's tables give) if it is committed, else a note that says how to make
+figures the page's tables give) if it is committed, else a line that says how to make
 the plot. The site builds (``--strict`` too) with or without a benchmark run.
+
+The docstrings use Sphinx roles (``:class:`Transport```); the API reference shows them as
+plain code.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from mkdocs.structure.files import File, Files
 
 PREFIX = "bench/"
 ASSETS = "assets/"
+_ROLE = re.compile(r":(?:class|meth|func|mod|attr|exc|data):(<code>)~?")
 _IMAGE = re.compile(r"!\[(?P<alt>[^\]]*)\]\(bench/(?P<name>[\w.-]+\.png)\)")
 
 
@@ -44,9 +48,12 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         if files.get_file_from_path(ASSETS + match["name"]) is not None:
             return f"![{match['alt']}]({ASSETS}{match['name']})"
         return (
-            f'!!! note "Plot not generated: {match["alt"]}"\n'
-            f"    `{match['name']}` comes from a benchmark run: `bash scripts/bench.sh` "
-            "writes it into `bench-results/`, and the next `mkdocs build` shows it here."
+            f"*No plot yet (`{match['name']}`): run `bash scripts/bench.sh`, "
+            "then build the docs again.*"
         )
 
     return _IMAGE.sub(replace, markdown)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    return _ROLE.sub(r"\1", html)
