@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create the environment and run the tests (the README's second command; CI runs it):
-# lint and types, the test suite, then the benchmarks in quick mode, so that their hard
-# bounds and deadlock checks hold on every change. Extra arguments go to the test run.
+# lint and types, the docs build, the test suite, then the benchmarks in quick mode, so
+# that their hard bounds and deadlock checks hold on every change. Extra arguments go to
+# the test run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -10,6 +11,7 @@ python3 -m venv .venv
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet   # the docs site, into site/
 .venv/bin/python -m pytest -q "$@"
 DRAINER_BENCH_QUICK=1 .venv/bin/python -m pytest -q tests/benchmarks -m benchmark \
     -o python_files='test_*.py bench_*.py'

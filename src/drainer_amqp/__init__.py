@@ -1,7 +1,7 @@
 """drainer-amqp: one py-amqp/kombu connection, shared safely and fast between threads.
 
 Public API: :class:`Connection`, :class:`Transport`, :class:`SSLTransport` and the
-errors in :mod:`drainer_amqp.errors`. See the README for the threading contract.
+errors in :mod:`drainer_amqp.errors`. The threading contract is in docs/threading.md.
 """
 
 from .channel import Channel

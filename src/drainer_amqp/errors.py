@@ -11,6 +11,8 @@ Every thread that waits on a connection sees the same reason when it ends:
   connection). It derives from
   nothing in the transport's ``connection_errors``, ``recoverable_connection_errors``
   or ``channel_errors``, so nothing in kombu reconnects after a deliberate shutdown.
+
+What kombu does with each: docs/errors.md; the threading contract: docs/threading.md.
 """
 
 from __future__ import annotations

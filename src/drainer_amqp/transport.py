@@ -29,6 +29,8 @@ kombu's event loop (the Hub, used by the Celery worker): in drainer mode the soc
 belongs to the drainer thread, so the Hub watches :meth:`Connection.inbox_fileno`
 instead and runs queued callbacks in the Hub thread. Heartbeats are the drainer's,
 so the Hub's periodic ``heartbeat_check`` only reports a failed link.
+
+The threading contract: docs/threading.md.
 """
 
 from __future__ import annotations
