@@ -3,15 +3,22 @@
 A. Throughput: 10 and 100 threads publish 64-byte bodies through kombu's
 ``Producer.publish`` (amqpstorm: ``channel.basic.publish``) for ``WINDOW`` seconds, with
 and without publisher confirms, for every client in :mod:`benchmarks.clients`. After its
-window each thread makes one round trip on its channel, so the rate counts only what
-reached the broker: messages / (start -> last round trip done).
+window each thread makes one round trip on its channel, then the run's queue is polled
+until it holds every message: the rate is messages / (start -> queue complete). Every
+publish call of every thread is timed (``time.perf_counter``), and each thread's count
+is kept: table A.2 gives the spread between threads and P50/P99/P99.9/max per call.
 
 Destination: a queue each run declares (unique name, non-durable, transient messages)
 through the default exchange, deleted after the run. The queue's message count is the
 "nothing lost" check: it must equal the number of publishes that returned.
 
-The raw-socket ceiling is benchmark 2's (``bench_throughput.run_ceiling``), measured once
-per round in this run.
+Ceiling (A.4): one thread writes pre-encoded Basic.Publish frames on the raw socket of a
+py-amqp connection to a queue of its own, timed the same way, once per round.
+
+A.3. ``close()`` while ``CLOSE_THREADS`` threads publish unique bodies: how long
+``close()`` (kombu: ``release()``) takes, and how many publishes that returned OK are
+missing from the queue afterwards (by body). Measured, not asserted, except generous
+deadlock bounds for this library's two modes.
 
 B. One-thread per-call cost: µs per ``channel.basic_publish`` (drainer Connection vs
 stock ``amqp.Connection``), per ``Producer.publish`` (drainer vs stock kombu) and per
