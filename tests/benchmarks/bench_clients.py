@@ -3,15 +3,22 @@
 A. Throughput: 10 and 100 threads publish 64-byte bodies through kombu's
 ``Producer.publish`` (amqpstorm: ``channel.basic.publish``) for ``WINDOW`` seconds, with
 and without publisher confirms, for every client in :mod:`benchmarks.clients`. After its
-window each thread makes one round trip on its channel, so the rate counts only what
-reached the broker: messages / (start -> last round trip done).
+window each thread makes one round trip on its channel, then the run's queue is polled
+until it holds every message: the rate is messages / (start -> queue complete). Every
+publish call of every thread is timed (``time.perf_counter``), and each thread's count
+is kept: table A.2 gives the spread between threads and P50/P99/P99.9/max per call.
 
 Destination: a queue each run declares (unique name, non-durable, transient messages)
 through the default exchange, deleted after the run. The queue's message count is the
 "nothing lost" check: it must equal the number of publishes that returned.
 
-The raw-socket ceiling is benchmark 2's (``bench_throughput.run_ceiling``), measured once
-per round in this run.
+Ceiling (A.4): one thread writes pre-encoded Basic.Publish frames on the raw socket of a
+py-amqp connection to a queue of its own, timed the same way, once per round.
+
+A.3. ``close()`` while ``CLOSE_THREADS`` threads publish unique bodies: how long
+``close()`` (kombu: ``release()``) takes, and how many publishes that returned OK are
+missing from the queue afterwards (by body). Measured, not asserted, except generous
+deadlock bounds for this library's two modes.
 
 B. One-thread per-call cost: µs per ``channel.basic_publish`` (drainer Connection vs
 stock ``amqp.Connection``), per ``Producer.publish`` (drainer vs stock kombu) and per
@@ -30,19 +37,20 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import amqp
 import amqpstorm
 import pytest
 from kombu import Producer
-from support.broker import BROKER_HOST, unique_name, wait_until
+from support.broker import BROKER_HOST, unique_name
 
 import drainer_amqp
-from benchmarks import QUICK
-from benchmarks.bench_throughput import run_ceiling
+from benchmarks import QUICK, all_stacks
+from benchmarks.bench_throughput import BATCH, publish_frames
 from benchmarks.clients import CLIENTS, kombu_connection, open_client
 from benchmarks.report import (
+    SPREAD_HEADERS,
     Collector,
     Section,
     Target,
@@ -50,6 +58,8 @@ from benchmarks.report import (
     fmt_ratio,
     percentile,
     ratio,
+    spread,
+    spread_cells,
 )
 
 pytestmark = pytest.mark.benchmark
@@ -59,6 +69,11 @@ ROUNDS = 1 if QUICK else 2
 WINDOW = 0.3 if QUICK else 1.5  # seconds of publishing per run
 BODY = b"x" * 64
 STALL_AFTER = 20.0  # seconds after the window: a thread still blocked then has stalled
+CLOSE_THREADS = 10
+CLOSE_ROUNDS = 1 if QUICK else 3
+CLOSE_AFTER = 0.2 if QUICK else 0.5  # seconds of publishing before close()
+DEADLOCK_AFTER = 30.0  # close(), then the publishers ending: generous bounds
+QUIET = 2.0  # seconds without a delivery: what is missing from the queue stays missing
 CALLS = 1000 if QUICK else 20000  # benchmark B: calls per run
 CALL_RUNS = 3 if QUICK else 5  # benchmark B: runs per client
 
@@ -95,6 +110,18 @@ class Admin:
 
 
 # -- A: throughput --------------------------------------------------------------------------
+def settled(admin: Admin, queue: str, expected: int, timeout: float = 10.0) -> float | None:
+    """``time.perf_counter()`` when ``queue`` first holds ``expected`` messages (polled
+    back to back), None if it does not within ``timeout`` s."""
+    deadline = time.perf_counter() + timeout
+    while True:
+        now = time.perf_counter()
+        if admin.count(queue) >= expected:
+            return now
+        if now > deadline:
+            return None
+
+
 @dataclass
 class Run:
     client: str
@@ -103,6 +130,7 @@ class Run:
     messages: int = 0
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
+    per_thread: list[int] = field(default_factory=list)  #: publishes in the window, by thread
     stalled: int = 0
     stall_stack: str = ""
 
@@ -115,7 +143,7 @@ def run_client(admin: Admin, name: str, threads: int, confirms: bool) -> Run:
     run = Run(name, threads, confirms)
     queue = admin.declare()
     try:
-        client = open_client(name, threads, confirms, queue, BODY)
+        client = open_client(name, threads, confirms, queue)
     except BaseException:
         admin.delete(queue)
         raise
@@ -124,33 +152,31 @@ def run_client(admin: Admin, name: str, threads: int, confirms: bool) -> Run:
     clock: dict[str, float] = {}
     counts = [0] * threads
     latencies: list[list[float]] = [[] for _ in range(threads)]
-    finished = [0.0] * threads
     errors: list[BaseException] = []
     workers: list[threading.Thread] = []
 
     def worker(i: int) -> None:
         publish, lat = client.publish[i], latencies[i]
         try:
-            publish()  # warm-up, counted in the queue check below
+            publish(BODY)  # warm-up, counted in the queue check below
             ready.wait(timeout=60)
             if not go.wait(timeout=60):
                 raise TimeoutError("no start signal")
             deadline = clock["deadline"]
-            n = 0
             now = time.perf_counter()
             while now < deadline:
-                publish()
+                publish(BODY)
                 end = time.perf_counter()
                 lat.append(end - now)
                 now = end
-                n += 1
-            counts[i] = n
+                counts[i] += 1
             client.sync[i]()
-            finished[i] = time.perf_counter()
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             errors.append(exc)
             ready.abort()
 
+    done: float | None = None
+    label = f"{name} x{threads} confirms={confirms}"
     try:
         workers = [
             threading.Thread(target=worker, args=(i,), name=f"bench-{name}-{i}")
@@ -173,26 +199,58 @@ def run_client(admin: Admin, name: str, threads: int, confirms: bool) -> Run:
             run.stalled = len(stalled)
             frame = sys._current_frames().get(stalled[0].ident or -1)
             run.stall_stack = "".join(traceback.format_stack(frame)) if frame else ""
+        elif not errors:
+            # The run ends when the queue holds every message (warm-ups included).
+            done = settled(admin, queue, sum(counts) + threads)
     finally:
         client.close()
         for w in workers:
             w.join(10)
     try:
-        label = f"{name} x{threads} confirms={confirms}"
         assert not any(w.is_alive() for w in workers), f"{label}: threads did not stop"
         assert not run.stalled, f"{label}: {run.stalled} threads stalled:\n{run.stall_stack}"
         assert not errors, f"{label}: {errors[0]!r}"
         run.messages = sum(counts)
         expected = run.messages + threads  # + the warm-ups
-        assert wait_until(lambda: admin.count(queue) >= expected, 10), (
+        assert done is not None, (
             f"{label}: {admin.count(queue)} messages in the queue, {expected} published"
         )
         assert admin.count(queue) == expected, f"{label}: {admin.count(queue)} != {expected}"
     finally:
         admin.delete(queue)
-    run.seconds = max(finished) - start
+    run.seconds = done - start
     run.latencies = [x for lat in latencies for x in lat]
+    run.per_thread = counts
     return run
+
+
+def run_ceiling_to_queue(admin: Admin) -> float:
+    """Messages per second of one thread writing pre-encoded Basic.Publish frames
+    (``BATCH`` per ``sendall``) on the raw socket of a py-amqp connection (handshake and
+    channel by py-amqp) to a queue of its own for ``WINDOW`` s, timed as the clients'
+    runs: until the queue holds them all."""
+    queue = admin.declare()
+    try:
+        conn = amqp.Connection(host=BROKER_HOST)
+        conn.connect()
+        try:
+            channel = conn.channel()
+            batch = publish_frames(channel.channel_id, queue, BODY) * BATCH
+            sock = conn.transport.sock
+            sent = 0
+            start = time.perf_counter()
+            deadline = start + WINDOW
+            while time.perf_counter() < deadline:
+                sock.sendall(batch)
+                sent += BATCH
+            channel.basic_qos(0, 0, False)  # the same closing round trip as the clients
+            done = settled(admin, queue, sent)
+        finally:
+            conn.close()
+        assert done is not None, f"ceiling: {admin.count(queue)} messages in the queue, {sent} sent"
+        return sent / (done - start)
+    finally:
+        admin.delete(queue)
 
 
 def test_client_throughput(bench_report: Collector) -> None:
@@ -202,7 +260,7 @@ def test_client_throughput(bench_report: Collector) -> None:
     ceilings: list[float] = []
     try:
         for i in range(ROUNDS):
-            ceilings.append(run_ceiling())
+            ceilings.append(run_ceiling_to_queue(admin))
             order = CLIENTS if i % 2 == 0 else CLIENTS[::-1]
             for confirms in (False, True):
                 for threads in THREADS:
@@ -221,42 +279,72 @@ def test_client_throughput(bench_report: Collector) -> None:
     def lat(name: str, threads: int, confirms: bool) -> list[float]:
         return [x for r in of(name, threads, confirms) for x in r.latencies]
 
+    def per_thread(name: str, threads: int, confirms: bool) -> list[int]:
+        return [n for r in of(name, threads, confirms) for n in r.per_thread]
+
+    def share(value: float) -> str:
+        return f"{100 * value / ceiling:.1f}%"
+
     rows: list[list[str]] = [
-        ["raw socket ceiling (1 thread)", "-", "no", f"{ceiling:,.0f}", "-", "-", "-", "-", "-"]
+        [
+            "raw socket ceiling (1 thread, pre-encoded frames)",
+            "-",
+            "no",
+            f"{ceiling:,.0f}",
+            "-",
+            "100%",
+        ]
+    ]
+    fair_rows: list[list[str]] = []
+    ceiling_rows: list[list[str]] = [
+        ["raw socket, 1 thread, pre-encoded frames", "-", "no", f"{ceiling:,.0f}", "100%", "-"]
     ]
     results = []
     for confirms in (False, True):
         for threads in THREADS:
             dr = rate("drainer", threads, confirms)
+            best = max(
+                (c for c in CLIENTS if c != "drainer"), key=lambda c: rate(c, threads, confirms)
+            )
+            ceiling_rows.append(
+                [
+                    "drainer",
+                    str(threads),
+                    "yes" if confirms else "no",
+                    f"{dr:,.0f}",
+                    share(dr),
+                    f"{best}: {share(rate(best, threads, confirms))}",
+                ]
+            )
             for name in CLIENTS:
                 value = rate(name, threads, confirms)
                 samples = lat(name, threads, confirms)
-                p50, p95, p99 = (percentile(samples, q) for q in (50, 95, 99))
+                counts = per_thread(name, threads, confirms)
                 results.append(
                     {
                         "client": name,
                         "threads": threads,
                         "confirms": confirms,
                         "msg_s": value,
-                        "p50_s": p50,
-                        "p95_s": p95,
-                        "p99_s": p99,
+                        "p50_s": percentile(samples, 50),
+                        "p95_s": percentile(samples, 95),
+                        "p99_s": percentile(samples, 99),
+                        "p999_s": percentile(samples, 99.9),
+                        "max_s": max(samples, default=float("nan")),
+                        "per_thread": spread(counts),
                         "rounds_msg_s": [r.rate for r in of(name, threads, confirms)],
                     }
                 )
+                config = [name, str(threads), "yes" if confirms else "no"]
                 rows.append(
                     [
-                        name,
-                        str(threads),
-                        "yes" if confirms else "no",
+                        *config,
                         f"{value:,.0f}",
-                        fmt_ms(p50),
-                        fmt_ms(p99),
-                        f"{fmt_ms(p50)} / {fmt_ms(p95)} / {fmt_ms(p99)}" if confirms else "-",
                         "" if name == "drainer" else fmt_ratio(ratio(dr, value)),
-                        f"{100 * value / ceiling:.1f}%",
+                        share(value),
                     ]
                 )
+                fair_rows.append([*config, *spread_cells(counts, samples)])
 
     def r(threads: int, confirms: bool, other: str) -> float:
         return ratio(rate("drainer", threads, confirms), rate(other, threads, confirms))
@@ -287,54 +375,287 @@ def test_client_throughput(bench_report: Collector) -> None:
             p99_dr <= p99_st,
         ),
     ]
-    section = Section(
-        key="clients_throughput",
-        title="A. Publish throughput against other clients (Producer.publish, 64-byte bodies)",
-        headers=[
-            "client",
-            "threads",
-            "confirms",
-            "msg/s",
-            "P50 publish",
-            "P99 publish",
-            "confirm P50 / P95 / P99",
-            "drainer / this",
-            "of ceiling",
-        ],
-        rows=rows,
-        targets=targets,
-        notes=[
-            f"{ROUNDS} round(s); in each, every configuration runs every client in turn, "
-            "the client order reversed on odd rounds (ABBA). Each run: fresh connection(s), "
-            f"{WINDOW:g} s of publishing after a start barrier; msg/s is the median over "
-            "rounds, percentiles over every call of every round.",
-            "Rate = publishes in the window / (window start -> every thread's closing round "
-            "trip on its channel done), so nothing still in socket buffers counts.",
-            "Destination: a queue declared per run (unique name, non-durable) through the "
-            "default exchange; after each run its message count must equal the publishes "
-            "(asserted: nothing lost), then it is deleted.",
-            "Clients: drainer / legacy = kombu on drainer_amqp:Transport, one shared "
-            "connection, a channel + Producer per thread; stock+lock = one stock kombu "
-            "(pyamqp) connection behind one RLock held around each publish (and its confirm "
-            "wait); stock per thread = one stock kombu connection per thread; amqpstorm = "
-            "one shared amqpstorm Connection, a channel per thread, basic.publish.",
-            "With confirms every call returns on the broker's ack (kombu confirm_publish, "
-            "amqpstorm confirm_deliveries), so the publish latency is the confirm latency: "
-            "the confirm column gives its P50/P95/P99.",
-            "Ceiling: benchmark 2's raw-socket row (one thread writing pre-encoded frames), "
-            "measured once per round in this run.",
-            "Targets are reported, not asserted (2 cores shared with the broker and other jobs).",
-        ],
-        raw={
-            "rounds": ROUNDS,
-            "window_s": WINDOW,
-            "body_bytes": len(BODY),
-            "ceiling_msg_s": ceiling,
-            "results": results,
-        },
-        seconds=time.perf_counter() - began,
+    seconds = time.perf_counter() - began
+    bench_report.add(
+        Section(
+            key="clients_throughput",
+            title="A. Publish throughput against other clients (Producer.publish, 64-byte bodies)",
+            headers=["client", "threads", "confirms", "msg/s", "drainer / this", "of ceiling"],
+            rows=rows,
+            targets=targets,
+            notes=[
+                f"{ROUNDS} round(s); in each, every configuration runs every client in turn, "
+                "the client order reversed on odd rounds (ABBA). Each run: fresh "
+                f"connection(s), {WINDOW:g} s of publishing after a start barrier; msg/s is "
+                "the median over rounds.",
+                "Rate = publishes in the window / (window start -> the run's queue holds "
+                "every message: each thread has made its closing round trip on its channel, "
+                "then the queue's message count is polled until complete).",
+                "Destination: a queue declared per run (unique name, non-durable) through the "
+                "default exchange; after each run its message count must equal the "
+                "publishes (asserted: nothing lost), then it is deleted.",
+                "Clients: drainer / legacy = kombu on drainer_amqp:Transport, one shared "
+                "connection, a channel + Producer per thread; stock+lock = one stock kombu "
+                "(pyamqp) connection behind one RLock held around each publish (and its "
+                "confirm wait); stock per thread = one stock kombu connection per thread; "
+                "amqpstorm = one shared amqpstorm Connection, a channel per thread, "
+                "basic.publish.",
+                "With confirms every call returns on the broker's ack (kombu "
+                "confirm_publish, amqpstorm confirm_deliveries).",
+                "Per-thread fairness and latency percentiles: table A.2; the ceiling: A.4.",
+                "Targets are reported, not asserted (2 cores shared with the broker and "
+                "other jobs).",
+            ],
+            raw={
+                "rounds": ROUNDS,
+                "window_s": WINDOW,
+                "body_bytes": len(BODY),
+                "ceiling_msg_s": ceiling,
+                "ceiling_rounds_msg_s": ceilings,
+                "results": results,
+            },
+            seconds=seconds,
+            order=0,
+        )
     )
-    bench_report.add(section)
+    bench_report.add(
+        Section(
+            key="clients_fairness",
+            title="A.2 Fairness between publishing threads, and publish latency (benchmark A)",
+            headers=["client", "threads", "confirms", *SPREAD_HEADERS],
+            rows=fair_rows,
+            notes=[
+                "Per-thread publishes: how many publishes each thread completed in its "
+                f"{WINDOW:g} s window (every thread of every round); 'min % of mean' near 0 "
+                "means some thread starved while others streamed.",
+                "Latency: time.perf_counter() around every publish call of every thread and "
+                "round (the warm-up call excepted), the slow ones included; with confirms a "
+                "call returns on the broker's ack. 'max' is the longest single call.",
+            ],
+            order=1,
+        )
+    )
+    bench_report.add(
+        Section(
+            key="clients_ceiling",
+            title="A.4 Ceiling: the broker's intake from one Python process",
+            headers=["row", "threads", "confirms", "msg/s", "of ceiling", "best other client"],
+            rows=ceiling_rows,
+            notes=[
+                "Ceiling: one thread writes pre-encoded Basic.Publish method + header + body "
+                f"frames ({BATCH} messages per sendall, encoded once) on the raw socket of a "
+                "py-amqp connection (handshake and channel open by py-amqp) to a queue of "
+                f"its own for {WINDOW:g} s, then the same closing round trip as the clients; "
+                "timed like them, until the queue holds every message; median of one run "
+                "per round.",
+                "The drainer's share is its msg/s (table A) over the ceiling; with confirms "
+                "the ceiling is still the no-confirms one.",
+            ],
+            order=3,
+        )
+    )
+
+
+# -- A.3: close() while threads publish ---------------------------------------------------
+@dataclass
+class CloseRun:
+    client: str
+    confirms: bool
+    seconds: float | None = None  #: close() duration; None: not done within DEADLOCK_AFTER
+    returned_ok: int = 0  #: publish calls that returned without an error
+    ok_after_close: int = 0  #: of those, how many returned after close() had returned
+    missing: int = 0  #: returned OK, not in the queue afterwards
+    extra: int = 0  #: in the queue, though their call raised or never returned
+    errors: list[str] = field(default_factory=list)  #: what the publishers ended with
+    stuck: int = 0  #: publisher threads still running DEADLOCK_AFTER s after close()
+    stacks: str = ""
+
+
+def unique_body(thread: int, n: int) -> bytes:
+    """Thread ``thread``'s ``n``-th body, padded to ``len(BODY)``: the message's identity."""
+    return f"{thread}:{n}:".encode().ljust(len(BODY), b"x")
+
+
+def _raw(body: bytes | str) -> bytes:
+    return body.encode() if isinstance(body, str) else bytes(body)
+
+
+def queue_bodies(queue: str, expected: set[bytes]) -> list[bytes]:
+    """Every body in ``queue``, consumed on a fresh stock connection: until the queue is
+    empty and every body of ``expected`` has come, or nothing has come for ``QUIET`` s."""
+    conn = amqp.Connection(host=BROKER_HOST)
+    conn.connect()
+    try:
+        channel = conn.channel()
+        got: list[bytes] = []
+        channel.basic_consume(queue, no_ack=True, callback=lambda m: got.append(_raw(m.body)))
+        last = time.monotonic()
+        while True:
+            try:
+                conn.drain_events(timeout=0.1)
+                last = time.monotonic()
+                continue
+            except TimeoutError:
+                pass
+            empty = channel.queue_declare(queue, passive=True).message_count == 0
+            if empty and (expected <= set(got) or time.monotonic() - last > QUIET):
+                return got
+    finally:
+        conn.close()
+
+
+def close_while_publishing(admin: Admin, name: str, confirms: bool) -> CloseRun:
+    """``CLOSE_THREADS`` threads publish unique bodies to a queue; after ``CLOSE_AFTER``
+    s a closer thread calls ``close()`` (kombu: ``release()``) and times it; the queue is
+    then consumed on a fresh connection and compared with the calls that returned OK."""
+    run = CloseRun(name, confirms)
+    queue = admin.declare()
+    try:
+        client = open_client(name, CLOSE_THREADS, confirms, queue)
+        ok: list[list[bytes]] = [[] for _ in range(CLOSE_THREADS)]
+        late = [0] * CLOSE_THREADS
+        ready = threading.Barrier(CLOSE_THREADS + 1)
+        closed = threading.Event()  # close() returned (or is taken as deadlocked)
+        errors: list[str] = []
+
+        def worker(i: int) -> None:
+            publish, mine = client.publish[i], ok[i]
+            n = 0
+            try:
+                while not closed.is_set():
+                    body = unique_body(i, n)
+                    n += 1
+                    publish(body)
+                    mine.append(body)
+                    if closed.is_set():
+                        late[i] += 1
+                    if n == 1:
+                        ready.wait(timeout=60)
+            except threading.BrokenBarrierError:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - the end close() brings
+                errors.append(type(exc).__name__)
+                ready.abort()
+
+        def do_close() -> None:
+            began = time.perf_counter()
+            try:
+                client.close()
+            except BaseException as exc:  # noqa: BLE001 - reported
+                errors.append(f"close(): {type(exc).__name__}")
+            run.seconds = time.perf_counter() - began
+            closed.set()
+
+        workers = [
+            threading.Thread(target=worker, args=(i,), name=f"bench-close-{name}-{i}", daemon=True)
+            for i in range(CLOSE_THREADS)
+        ]
+        for w in workers:
+            w.start()
+        closer = threading.Thread(target=do_close, name=f"bench-closer-{name}", daemon=True)
+        try:
+            ready.wait(timeout=60)  # every thread has published once
+        except threading.BrokenBarrierError:
+            pass
+        closed.wait(CLOSE_AFTER)  # publishing time before close()
+        closer.start()
+        closer.join(DEADLOCK_AFTER)
+        if closer.is_alive():
+            run.stacks = all_stacks()
+            closed.set()
+        end = time.monotonic() + DEADLOCK_AFTER
+        for w in workers:
+            w.join(max(end - time.monotonic(), 0.0))
+        run.stuck = sum(w.is_alive() for w in workers)
+        if run.stuck and not run.stacks:
+            run.stacks = all_stacks()
+        returned = {b for mine in ok for b in mine}
+        in_queue = set(queue_bodies(queue, returned))
+        run.returned_ok = len(returned)
+        run.ok_after_close = sum(late)
+        run.missing = len(returned - in_queue)
+        run.extra = len(in_queue - returned)
+        run.errors = sorted(set(errors))
+    finally:
+        admin.delete(queue)
+    return run
+
+
+def test_close_while_publishing(bench_report: Collector) -> None:
+    began = time.perf_counter()
+    admin = Admin()
+    runs: list[CloseRun] = []
+    try:
+        for i in range(CLOSE_ROUNDS):
+            for confirms in (False, True):
+                for name in CLIENTS if i % 2 == 0 else CLIENTS[::-1]:
+                    runs.append(close_while_publishing(admin, name, confirms))
+    finally:
+        admin.close()
+    rows = []
+    for confirms in (False, True):
+        for name in CLIENTS:
+            mine = [r for r in runs if (r.client, r.confirms) == (name, confirms)]
+            done = [r.seconds for r in mine if r.seconds is not None]
+            rows.append(
+                [
+                    name,
+                    "yes" if confirms else "no",
+                    fmt_ms(statistics.median(done)) if done else "-",
+                    fmt_ms(max(done)) if done else "-",
+                    str(sum(r.seconds is None for r in mine)),
+                    f"{sum(r.returned_ok for r in mine):,}",
+                    f"{sum(r.missing for r in mine):,}",
+                    f"{sum(r.ok_after_close for r in mine):,}",
+                    f"{sum(r.extra for r in mine):,}",
+                    ", ".join(sorted({e for r in mine for e in r.errors})) or "-",
+                ]
+            )
+    bench_report.add(
+        Section(
+            key="close_while_publishing",
+            title=f"A.3 close() while {CLOSE_THREADS} threads publish",
+            headers=[
+                "client",
+                "confirms",
+                "close() P50",
+                "close() max",
+                "close() > 30 s",
+                "returned OK",
+                "returned OK, not in queue",
+                "returned OK after close()",
+                "in queue, not returned OK",
+                "publishers ended with",
+            ],
+            rows=rows,
+            notes=[
+                f"{CLOSE_ROUNDS} round(s) per client, client order reversed on odd rounds. "
+                f"Each: fresh connection(s), a queue of its own, {CLOSE_THREADS} threads "
+                "publishing unique 64-byte bodies (each body identifies its message) in a "
+                f"loop; after every thread's first publish and {CLOSE_AFTER:g} s more, another "
+                "thread calls close() (kombu: release(); stock clients: under their connection's "
+                "lock) and "
+                "times it. The publishers stop at their first error, or after close() returns.",
+                "Then the queue is consumed on a fresh connection and compared by body with "
+                "the calls that returned without an error: 'returned OK, not in queue' are "
+                "publishes the caller was told had gone out and the broker never got.",
+                "Measured, not asserted (nothing lost on a healthy close is asserted by the "
+                f"test suite). Asserted: close() returns within {DEADLOCK_AFTER:g} s and every "
+                "publisher thread ends within that bound after it (drainer and legacy; other "
+                "clients' hangs are reported).",
+            ],
+            raw={
+                "rounds": CLOSE_ROUNDS,
+                "threads": CLOSE_THREADS,
+                "close_after_s": CLOSE_AFTER,
+                "runs": [asdict(r) for r in runs],
+            },
+            seconds=time.perf_counter() - began,
+            order=2,
+        )
+    )
+    ours = [r for r in runs if r.client in ("drainer", "legacy") and (r.seconds is None or r.stuck)]
+    assert not ours, f"{ours[0].client}: close() or publishers hung:\n{ours[0].stacks}"
 
 
 # -- B: one-thread per-call cost ----------------------------------------------------------

@@ -38,7 +38,18 @@ from amqp.serialization import dumps
 from support.broker import BROKER_HOST, unique_name
 
 from benchmarks import QUICK, connect, interleaved
-from benchmarks.report import Collector, Section, Target, fmt_ms, fmt_ratio, percentile, ratio
+from benchmarks.report import (
+    SPREAD_HEADERS,
+    Collector,
+    Section,
+    Target,
+    fmt_ms,
+    fmt_ratio,
+    percentile,
+    ratio,
+    spread,
+    spread_cells,
+)
 
 pytestmark = pytest.mark.benchmark
 
@@ -61,6 +72,7 @@ class Run:
     messages: int = 0
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
+    per_thread: list[int] = field(default_factory=list)  #: publishes in the window, by thread
     stalled: int = 0  #: threads still blocked STALL_AFTER s after the window
     stall_stack: str = ""
 
@@ -78,6 +90,7 @@ def run_publishers(mode: str, threads: int, confirms: bool) -> Run:
     clock: dict[str, float] = {}
     counts = [0] * threads
     latencies: list[list[float]] = [[] for _ in range(threads)]
+    started = [0.0] * threads  #: when the call in progress began
     finished = [0.0] * threads
     errors: list[BaseException] = []
     errors_before_close = 0
@@ -96,15 +109,15 @@ def run_publishers(mode: str, threads: int, confirms: bool) -> Run:
                 if not go.wait(timeout=60):
                     raise TimeoutError("no start signal")
                 deadline = clock["deadline"]
-                n = 0
                 now = time.perf_counter()
                 while now < deadline:
+                    started[i] = now
                     publish(message, exchange="", routing_key=routing_key)
                     end = time.perf_counter()
                     lat.append(end - now)
                     now = end
-                    n += 1
-                counts[i] = n
+                    counts[i] += 1
+                started[i] = 0.0
                 channel.basic_qos(0, 0, False)  # a round trip: the broker has them all
                 finished[i] = time.perf_counter()
             except BaseException as exc:  # noqa: BLE001 - reported by the test
@@ -130,6 +143,10 @@ def run_publishers(mode: str, threads: int, confirms: bool) -> Run:
         stalled = [w for w in workers if w.is_alive()]
         if stalled:  # reported, with where the first one is blocked
             run.stalled = len(stalled)
+            now = time.perf_counter()
+            for i, w in enumerate(workers):  # the calls in progress: as long as that, at least
+                if w.is_alive() and started[i]:
+                    latencies[i].append(now - started[i])
             frame = sys._current_frames().get(stalled[0].ident or -1)
             run.stall_stack = "".join(traceback.format_stack(frame)) if frame else ""
             errors_before_close = len(errors)
@@ -144,6 +161,7 @@ def run_publishers(mode: str, threads: int, confirms: bool) -> Run:
     run.messages = sum(counts)
     run.seconds = max(finished) - start
     run.latencies = [x for lat in latencies for x in lat]
+    run.per_thread = counts
     return run
 
 
@@ -213,6 +231,7 @@ def test_publish_throughput(bench_report: Collector) -> None:
         ["raw socket ceiling", "1", "no", f"{ceiling:,.0f}", "-", "", "100%", ""]
     ]
     results = []
+    fair_rows: list[list[str]] = []
     ratios: dict[tuple[int, bool], float] = {}
     for confirms in (False, True):
         for threads in THREADS:
@@ -221,6 +240,14 @@ def test_publish_throughput(bench_report: Collector) -> None:
             ratios[(threads, confirms)] = ratio(dr, leg)
             for mode, value in (("legacy", leg), ("drainer", dr)):
                 p = p99(mode, threads, confirms)
+                mine = [
+                    r for r in runs if (r.mode, r.threads, r.confirms) == (mode, threads, confirms)
+                ]
+                counts = [n for r in mine for n in r.per_thread]
+                lat = [x for r in mine for x in r.latencies]
+                fair_rows.append(
+                    [mode, str(threads), "yes" if confirms else "no", *spread_cells(counts, lat)]
+                )
                 results.append(
                     {
                         "mode": mode,
@@ -228,6 +255,9 @@ def test_publish_throughput(bench_report: Collector) -> None:
                         "confirms": confirms,
                         "msg_s": value,
                         "p99_s": p,
+                        "p999_s": percentile(lat, 99.9),
+                        "max_s": max(lat, default=float("nan")),
+                        "per_thread": spread(counts),
                         "rounds_msg_s": [
                             r.rate
                             for r in runs
@@ -330,6 +360,23 @@ def test_publish_throughput(bench_report: Collector) -> None:
         seconds=time.perf_counter() - began,
     )
     bench_report.add(section)
+    bench_report.add(
+        Section(
+            key="throughput_fairness",
+            title="2b. Fairness between the threads of benchmark 2",
+            headers=["mode", "threads", "confirms", *SPREAD_HEADERS],
+            rows=fair_rows,
+            notes=[
+                "Per-thread publishes: how many publishes each thread completed in its "
+                "window (every thread of every round); 'min % of mean' near 0 means some "
+                "thread starved while others streamed.",
+                "Latency: time.perf_counter() around every publish call of every thread and "
+                "round, the slow ones included; a call still blocked when a run is declared "
+                "stalled counts with the time it had been blocked so far. 'max' is the "
+                "longest single call.",
+            ],
+        )
+    )
     drainer_stalls = [r for r in runs if r.mode == "drainer" and r.stalled]
     assert not drainer_stalls, "drainer threads stalled:\n" + drainer_stalls[0].stall_stack
     failed = [t.line() for t in targets if t.asserted and not t.met]

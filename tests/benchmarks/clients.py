@@ -6,7 +6,8 @@
 * ``stock+lock``: one stock kombu connection (``amqp://``, kombu's pyamqp transport)
   shared by every thread behind one ``threading.RLock`` held around each publish (and so
   around the confirm wait, which reads the socket: stock py-amqp cannot share otherwise);
-* ``stock per thread``: one stock kombu connection per thread;
+* ``stock per thread``: one stock kombu connection per thread, each behind a lock of its
+  own (uncontended while its thread publishes; it lets another thread close it safely);
 * ``amqpstorm``: one shared amqpstorm Connection (its own IO thread), a channel per
   thread, ``channel.basic.publish`` (``channel.confirm_deliveries()`` for confirms).
 
@@ -64,12 +65,14 @@ def kombu_connection(client: str, confirms: bool) -> kombu.Connection:
 class Client:
     """One client opened for ``threads`` publisher threads.
 
-    ``publish[i]()`` publishes one message (returning when the client says it is sent,
+    ``publish[i](body)`` publishes ``body`` (returning when the client says it is sent,
     or, with confirms, acknowledged); ``sync[i]()`` makes one round trip on thread
-    ``i``'s channel, so everything it published before has reached the broker."""
+    ``i``'s channel, so everything it published before has reached the broker.
+    :meth:`close` closes the connection(s) (kombu: ``release()``); a stock connection
+    under its lock, since stock py-amqp cannot be closed while another thread uses it."""
 
     name: str
-    publish: list[Callable[[], object]] = field(default_factory=list)
+    publish: list[Callable[[bytes], object]] = field(default_factory=list)
     sync: list[Callable[[], object]] = field(default_factory=list)
     closers: list[Callable[[], object]] = field(default_factory=list)
 
@@ -78,17 +81,17 @@ class Client:
             close()
 
 
-def _locked(lock: threading.RLock, fn: Callable[[], object]) -> Callable[[], object]:
-    def call() -> object:
+def _locked(lock: threading.RLock, fn: Callable[..., object]) -> Callable[..., object]:
+    def call(*args: object) -> object:
         with lock:
-            return fn()
+            return fn(*args)
 
     return call
 
 
-def open_client(name: str, threads: int, confirms: bool, routing_key: str, body: bytes) -> Client:
-    """``name``'s connection(s) and one channel per thread, publishing ``body`` to the
-    default exchange with ``routing_key``."""
+def open_client(name: str, threads: int, confirms: bool, routing_key: str) -> Client:
+    """``name``'s connection(s) and one channel per thread, publishing to the default
+    exchange with ``routing_key``."""
     client = Client(name)
     try:
         if name == "amqpstorm":
@@ -100,25 +103,29 @@ def open_client(name: str, threads: int, confirms: bool, routing_key: str, body:
                 if confirms:
                     channel.confirm_deliveries()
                 basic = channel.basic
-                client.publish.append(
-                    partial(basic.publish, body, routing_key=routing_key, exchange="")
-                )
+                client.publish.append(partial(_storm_publish, basic, routing_key))
                 client.sync.append(partial(basic.qos, 0))
             return client
         per_thread = name == "stock per thread"
         conns = [kombu_connection(name, confirms) for _ in range(threads if per_thread else 1)]
-        client.closers += [c.release for c in conns]
-        lock = threading.RLock() if name == "stock+lock" else None
+        locks = [threading.RLock() for _ in conns] if name.startswith("stock") else []
+        for k, c in enumerate(conns):
+            client.closers.append(_locked(locks[k], c.release) if locks else c.release)
         for i in range(threads):
-            channel = conns[i if per_thread else 0].channel()
+            k = i if per_thread else 0
+            channel = conns[k].channel()
             producer = Producer(channel, routing_key=routing_key)
-            publish: Callable[[], object] = partial(producer.publish, body, retry=False)
+            publish: Callable[..., object] = partial(producer.publish, retry=False)
             sync: Callable[[], object] = partial(channel.basic_qos, 0, 0, False)
-            if lock is not None:
-                publish, sync = _locked(lock, publish), _locked(lock, sync)
+            if locks:
+                publish, sync = _locked(locks[k], publish), _locked(locks[k], sync)
             client.publish.append(publish)
             client.sync.append(sync)
         return client
     except BaseException:
         client.close()
         raise
+
+
+def _storm_publish(basic: amqpstorm.basic.Basic, routing_key: str, body: bytes) -> object:
+    return basic.publish(body, routing_key=routing_key, exchange="")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "SPREAD_HEADERS",
     "Collector",
     "Section",
     "Target",
@@ -32,6 +33,8 @@ __all__ = [
     "fmt_ratio",
     "format_table",
     "percentile",
+    "spread",
+    "spread_cells",
     "summarize",
 ]
 
@@ -60,6 +63,44 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
         "max": max(values) if values else math.nan,
         "mean": sum(values) / len(values) if values else math.nan,
     }
+
+
+def spread(counts: Sequence[int]) -> dict[str, float]:
+    """Per-thread publish counts: min, mean, max, and min as a fraction of the mean (1.0:
+    every thread got as many as the average one; near 0: some thread starved)."""
+    if not counts:
+        return {"min": math.nan, "mean": math.nan, "max": math.nan, "min_of_mean": math.nan}
+    mean = sum(counts) / len(counts)
+    return {
+        "min": float(min(counts)),
+        "mean": mean,
+        "max": float(max(counts)),
+        "min_of_mean": min(counts) / mean if mean else math.nan,
+    }
+
+
+def spread_cells(counts: Sequence[int], latencies: Sequence[float]) -> list[str]:
+    """Table cells: per-thread publishes min / mean / max, min as % of mean, then publish
+    latency P50 / P99 / P99.9 / max."""
+    s = spread(counts)
+    pct = "-" if math.isnan(s["min_of_mean"]) else f"{100 * s['min_of_mean']:.0f}%"
+    return [
+        f"{s['min']:,.0f} / {s['mean']:,.0f} / {s['max']:,.0f}",
+        pct,
+        *(fmt_ms(percentile(latencies, q)) for q in (50, 99, 99.9)),
+        fmt_ms(max(latencies) if latencies else None),
+    ]
+
+
+#: Headers of :func:`spread_cells`.
+SPREAD_HEADERS = [
+    "per-thread publishes min / mean / max",
+    "min % of mean",
+    "P50",
+    "P99",
+    "P99.9",
+    "max (longest call)",
+]
 
 
 def fmt_ms(seconds: float | None) -> str:
@@ -132,6 +173,7 @@ class Section:
     targets: list[Target] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0  #: wall time of the benchmark
+    order: int = 100  #: place in report.md (then by title): the headline tables come first
 
     def render(self) -> str:
         parts = [f"## {self.title}", "", format_table(self.headers, self.rows), ""]
@@ -139,7 +181,8 @@ class Section:
             parts += ["Targets:", ""] + [f"- {t.line()}" for t in self.targets] + [""]
         if self.notes:
             parts += [f"- {n}" for n in self.notes] + [""]
-        parts.append(f"Wall time of this benchmark: {self.seconds:.1f} s")
+        if self.seconds:
+            parts.append(f"Wall time of this benchmark: {self.seconds:.1f} s")
         return "\n".join(parts)
 
     def print(self) -> None:
@@ -210,7 +253,7 @@ class Collector:
             "run, the client order reversed from one round to the next.",
             "",
         ]
-        for section in sorted(self.sections.values(), key=lambda x: x.title):
+        for section in sorted(self.sections.values(), key=lambda x: (x.order, x.title)):
             lines.append(section.render())
             for name in plots.get(section.key, []):
                 lines += ["", f"![{section.title}]({name})"]
@@ -258,6 +301,31 @@ def headline_markdown(benchmarks: dict[str, Any]) -> str:
             format_table(["threads, confirms", "drainer", *others], rows),
             "",
         ]
+        fair = []
+        for r in a:
+            spread_ = r.get("per_thread")
+            if spread_ is None:
+                continue
+            pct = spread_.get("min_of_mean")
+            fair.append(
+                [
+                    r["client"],
+                    f"{r['threads']}, {'confirms' if r['confirms'] else 'no confirms'}",
+                    "-" if pct is None or math.isnan(pct) else f"{100 * pct:.0f}%",
+                    fmt_ms(r.get("p999_s")),
+                    fmt_ms(r.get("max_s")),
+                ]
+            )
+        if fair:
+            parts += [
+                "Fairness: the slowest thread's publishes as % of the mean thread's, and the "
+                "slowest publish calls:",
+                "",
+                format_table(
+                    ["client", "threads, confirms", "min % of mean", "P99.9", "max"], fair
+                ),
+                "",
+            ]
     b = benchmarks.get("call_cost", {}).get("raw", {}).get("median_s", {})
     if b:
         rows = [[name, f"{v * 1e6:.1f}"] for name, v in b.items()]
@@ -494,9 +562,9 @@ def _plot_clients_throughput(raw: dict[str, Any], out: Path) -> str | None:
         xs = [j + (i - (len(clients) - 1) / 2) * width for j in range(len(configs))]
         by = {(r["threads"], r["confirms"]): r for r in results if r["client"] == client}
         rates = [by[c]["msg_s"] if c in by else 0.0 for c in configs]
-        p99 = [by[c]["p99_s"] * 1000.0 if c in by else 0.0 for c in configs]
+        p999 = [by[c].get("p999_s", by[c]["p99_s"]) * 1000.0 if c in by else 0.0 for c in configs]
         ax_rate.bar(xs, rates, width, color=_color(client), label=client)
-        ax_p99.bar(xs, p99, width, color=_color(client), label=client)
+        ax_p99.bar(xs, p999, width, color=_color(client), label=client)
     labels = [f"{t} thr, {'confirms' if c else 'no confirms'}" for t, c in configs]
     for ax in (ax_rate, ax_p99):
         ax.set_xticks(range(len(configs)), labels, fontsize=8)
@@ -509,8 +577,8 @@ def _plot_clients_throughput(raw: dict[str, Any], out: Path) -> str | None:
     ax_rate.set_title("Throughput (median of rounds)")
     ax_rate.legend(fontsize=8)
     ax_p99.set_yscale("log")
-    ax_p99.set_ylabel("P99 publish call (ms, log scale)")
-    ax_p99.set_title("P99 publish latency (with confirms: confirm latency)")
+    ax_p99.set_ylabel("P99.9 publish call (ms, log scale)")
+    ax_p99.set_title("P99.9 publish latency, every call of every thread")
     fig.suptitle("A. Producer.publish throughput by client, 64-byte bodies")
     return _save(fig, out, "clients_throughput.png")
 
