@@ -15,7 +15,7 @@ from functools import partial
 
 import pytest
 
-from drainer_amqp.writer import Writer
+from drainer_amqp.writer import Writer, _Message
 
 JOIN = 30.0
 
@@ -252,6 +252,43 @@ def test_a_timeout_while_its_batch_is_written_says_it_may_have_been() -> None:
     follower.join(JOIN)
     leader.join(JOIN)
     assert bytes(sock.data) == b"ABC"
+
+
+@pytest.mark.parametrize("outcome", ["written", "failed"])
+def test_a_timeout_that_ends_as_its_batch_is_done_reports_what_happened(
+    monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    """The late call's wait times out at the moment the follower's write of its batch
+    ends: it returns OK if its bytes were written and raises the connection's reason if
+    the write failed, never "may have been"."""
+    real_wait = _Message.wait
+
+    def wait_then_time_out(message: _Message, timeout: float | None) -> bool:
+        if message.chunks != [b"C"]:
+            return real_wait(message, timeout)
+        assert real_wait(message, JOIN), "the late message was never woken"
+        return False  # its timer fired just as the follower woke it
+
+    monkeypatch.setattr(_Message, "wait", wait_then_time_out)
+    sock, writer, leader = busy_writer()
+    follower, follower_out = sender(writer, b"B", "follower")
+    queued(writer, 1)
+    late, late_out = sender(writer, b"C", "late", timeout=JOIN)
+    queued(writer, 2)
+    sock.permit()  # A done: the follower leads B and C
+    entered(sock)
+    if outcome == "failed":
+        sock.error = BrokenPipeError(32, "Broken pipe")
+    sock.release_all()
+    for thread in (late, follower, leader):
+        thread.join(JOIN)
+    if outcome == "written":
+        assert late_out == follower_out == ["ok"]
+        assert bytes(sock.data) == b"ABC"
+    else:
+        assert isinstance(late_out[0], ConnectionError), late_out
+        assert "Broken pipe" in str(late_out[0])
+        assert bytes(sock.data) == b"A"
 
 
 def test_fail_raises_in_every_queued_thread_at_once_and_refuses_later_sends() -> None:

@@ -159,7 +159,7 @@ class Writer:
                     pass  # taken into a batch: being written, or handed to us to write
                 else:
                     raise TimeoutError("write timed out: the socket is not draining")
-            if message.state != _LEAD:
+            if message.state == _QUEUED:  # not yet written, failed or handed the lead
                 raise TimeoutError(
                     "write timed out while its batch was being written: it may have been"
                 )
