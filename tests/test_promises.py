@@ -9,6 +9,7 @@ reaches a thread waiting in the writer at once.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,7 @@ import pytest
 from amqp import Message
 from amqp.exceptions import ChannelError, RecoverableConnectionError
 from support.broker import BROKER_HOST, JOIN, unique_name, wait_until
+from support.relays import RECV_SIZE, relay
 
 import drainer_amqp
 
@@ -29,10 +31,16 @@ MODES = ["drainer", "legacy"]
 THREADS = 10
 
 
+def connect(mode: str, host: str = BROKER_HOST, **options: Any) -> drainer_amqp.Connection:
+    """A connected py-amqp-style connection in ``mode`` ("drainer" or "legacy")."""
+    conn = drainer_amqp.Connection(host=host, dedicated_drainer=mode == "drainer", **options)
+    conn.connect()
+    return conn
+
+
 def queue_bodies(name: str) -> list[bytes]:
     """Every message body in queue ``name``, taken with basic_get (acked)."""
-    conn = drainer_amqp.Connection(host=BROKER_HOST)
-    conn.connect()
+    conn = connect("drainer")
     try:
         channel = conn.channel()
         bodies: list[bytes] = []
@@ -49,8 +57,7 @@ def queue_bodies(name: str) -> list[bytes]:
 def fresh_queue() -> Iterator[str]:
     """A unique queue, declared and deleted by a connection of its own."""
     name = unique_name("drainer-promise")
-    conn = drainer_amqp.Connection(host=BROKER_HOST)
-    conn.connect()
+    conn = connect("drainer")
     conn.channel().queue_declare(name, auto_delete=False)
     yield name
     conn.channel().queue_delete(name)
@@ -126,8 +133,7 @@ def assert_delivered(returned: set[bytes], name: str) -> None:
 def test_close_while_threads_publish_keeps_every_returned_publish(
     mode: str, fresh_queue: str
 ) -> None:
-    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=mode == "drainer")
-    conn.connect()
+    conn = connect(mode)
     channels = [conn.channel() for _ in range(THREADS)]
 
     def publish(i: int, body: bytes) -> None:
@@ -174,8 +180,7 @@ def test_kombu_release_while_threads_publish_keeps_every_returned_publish(
 def test_channel_close_comes_after_every_returned_publish_on_it(
     mode: str, fresh_queue: str
 ) -> None:
-    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=mode == "drainer")
-    conn.connect()
+    conn = connect(mode)
     try:
         others = [conn.channel() for _ in range(THREADS - 1)]
         mine = conn.channel()
@@ -242,8 +247,7 @@ def test_a_script_that_publishes_and_exits_delivers_what_returned(
 @pytest.mark.parametrize("threads", [10, 100])
 @pytest.mark.parametrize("mode", MODES)
 def test_every_publishing_thread_makes_progress(mode: str, threads: int, fresh_queue: str) -> None:
-    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=mode == "drainer")
-    conn.connect()
+    conn = connect(mode)
     try:
         channels = [conn.channel() for _ in range(threads)]
 
@@ -251,7 +255,7 @@ def test_every_publishing_thread_makes_progress(mode: str, threads: int, fresh_q
             channels[i].basic_publish(Message(body), routing_key=fresh_queue, timeout=5.0)
 
         with Publishers(threads, publish) as publishers:
-            threading.Event().wait(3.0)  # the run's length, not a synchronisation
+            threading.Event().wait(5.0)  # the run's length, not a synchronisation
         counts = publishers.counts()
     finally:
         conn.close()
@@ -264,8 +268,7 @@ def test_every_publishing_thread_makes_progress(mode: str, threads: int, fresh_q
 @pytest.mark.parametrize("mode", MODES)
 def test_a_thread_waiting_in_the_writer_learns_of_a_failure_at_once(mode: str) -> None:
 
-    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=mode == "drainer")
-    conn.connect()
+    conn = connect(mode)
     try:
         channel = conn.channel()
         writer = conn.writer
@@ -307,10 +310,7 @@ def test_a_thread_waiting_in_the_writer_learns_of_a_failure_at_once(mode: str) -
 def test_an_unroutable_mandatory_publish_raises_no_route(mode: str, api: str) -> None:
     key = unique_name("drainer-no-queue")
     if api == "py-amqp":
-        conn = drainer_amqp.Connection(
-            host=BROKER_HOST, dedicated_drainer=mode == "drainer", confirm_publish=True
-        )
-        conn.connect()
+        conn = connect(mode, confirm_publish=True)
         try:
             channel = conn.channel()
             with pytest.raises(ChannelError) as info:
@@ -329,3 +329,64 @@ def test_an_unroutable_mandatory_publish_raises_no_route(mode: str, api: str) ->
             with pytest.raises(ChannelError) as info:
                 producer.publish(b"x", routing_key=key, mandatory=True, retry=False)
             assert info.value.reply_code == 312
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_link_failure_loses_no_more_returned_publishes_than_the_kernel_held(
+    mode: str, fresh_queue: str
+) -> None:
+    """The relay stops reading while 10 threads publish 1 KiB messages, then the link
+    dies. The returned publishes that are not in the queue must fit in the kernel's
+    buffers on the way (the client's send buffer, the relay's receive buffer) plus the
+    relay's one read: what stock py-amqp would lose too, and nothing the library held
+    back after a publish returned."""
+    buffer = 32 * 1024  # small buffers, so that a write-behind queue would show
+    body_size = 1024
+    with relay(client_rcvbuf=buffer) as link:
+        conn = connect(mode, host=f"127.0.0.1:{link.port}")
+        sock = conn.transport.sock
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
+        try:
+            channels = [conn.channel() for _ in range(THREADS)]
+
+            def publish(i: int, body: bytes) -> None:
+                channels[i].basic_publish(
+                    Message(body.ljust(body_size, b".")), routing_key=fresh_queue
+                )
+
+            with Publishers(THREADS, publish) as publishers:
+                publishers.wait_for(50)
+                link.forwarding.clear()
+                assert wait_until(stalled(publishers), JOIN, 0.2), "publishing never stalled"
+                held = (
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                    + link.client_socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+                    + RECV_SIZE
+                )
+                link.close()  # the link dies with the client's bytes in its buffers
+                assert wait_until(lambda: all(publishers.errors), JOIN), publishers.errors
+        finally:
+            conn.collect()
+    for error in publishers.errors:
+        assert isinstance(error, (ConnectionError, RecoverableConnectionError)), repr(error)
+    returned = {body.ljust(body_size, b".") for body in publishers.all_returned()}
+    in_queue = set(queue_bodies(fresh_queue))
+    assert in_queue <= {
+        (b"%d-%d" % (i, n)).ljust(body_size, b".")
+        for i, count in enumerate(publishers.counts())
+        for n in range(count + 1)
+    }, "the queue holds a message nobody published"
+    lost = len(returned - in_queue)
+    assert lost * body_size <= held, f"{lost} returned publishes lost; the kernel held {held} B"
+
+
+def stalled(publishers: Publishers) -> Callable[[], bool]:
+    """A condition: no publish has returned since the last time it was asked."""
+    last = [-1]
+
+    def check() -> bool:
+        now = sum(publishers.counts())
+        same, last[0] = now == last[0], now
+        return same
+
+    return check

@@ -13,16 +13,29 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["Relay", "relay"]
+__all__ = ["RECV_SIZE", "Relay", "relay"]
+
+RECV_SIZE = 65536  # the most a relay holds in memory in each direction
 
 
 class Relay:
-    """Forwards a client to ``upstream``; :meth:`inject` writes raw bytes to the client."""
+    """Forwards a client to ``upstream``; :meth:`inject` writes raw bytes to the client;
+    clearing :attr:`forwarding` stops reading from the client (its bytes pile up in the
+    kernel's buffers), setting it again resumes."""
 
-    def __init__(self, upstream: tuple[str, int], server_tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        server_tls: ssl.SSLContext | None = None,
+        client_rcvbuf: int | None = None,
+    ) -> None:
         self._upstream = upstream
         self._tls = server_tls
         self._listener = socket.create_server(("127.0.0.1", 0))
+        if client_rcvbuf is not None:  # the accepted socket inherits it
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, client_rcvbuf)
+        self.forwarding = threading.Event()  # cleared by a test; set again by close()
+        self.forwarding.set()
         self.port = self._listener.getsockname()[1]
         self._client: socket.socket | None = None
         self._broker: socket.socket | None = None
@@ -57,7 +70,7 @@ class Relay:
 
     def _pump(self, src: socket.socket, dst: socket.socket, to_client: bool) -> None:
         try:
-            while data := src.recv(65536):
+            while (to_client or self.forwarding.wait()) and (data := src.recv(RECV_SIZE)):
                 if to_client:
                     with self._client_write:
                         dst.sendall(data)
@@ -83,8 +96,14 @@ class Relay:
             if then_close:
                 self._shutdown(self._client)
 
+    @property
+    def client_socket(self) -> socket.socket:
+        assert self._client is not None and self.connected.is_set()
+        return self._client
+
     def close(self) -> None:
         self._listener.close()
+        self.forwarding.set()
         for sock in (self._client, self._broker):
             if sock is not None:
                 self._shutdown(sock)
@@ -96,9 +115,11 @@ class Relay:
 
 @contextmanager
 def relay(
-    upstream: tuple[str, int] = ("127.0.0.1", 5672), server_tls: ssl.SSLContext | None = None
+    upstream: tuple[str, int] = ("127.0.0.1", 5672),
+    server_tls: ssl.SSLContext | None = None,
+    client_rcvbuf: int | None = None,
 ) -> Iterator[Relay]:
-    r = Relay(upstream, server_tls)
+    r = Relay(upstream, server_tls, client_rcvbuf)
     try:
         yield r
     finally:
