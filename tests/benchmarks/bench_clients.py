@@ -56,9 +56,9 @@ from benchmarks.report import (
     Target,
     fmt_ms,
     fmt_ratio,
+    per_thread_result,
     percentile,
     ratio,
-    spread,
     spread_cells,
 )
 
@@ -326,12 +326,7 @@ def test_client_throughput(bench_report: Collector) -> None:
                         "threads": threads,
                         "confirms": confirms,
                         "msg_s": value,
-                        "p50_s": percentile(samples, 50),
-                        "p95_s": percentile(samples, 95),
-                        "p99_s": percentile(samples, 99),
-                        "p999_s": percentile(samples, 99.9),
-                        "max_s": max(samples, default=float("nan")),
-                        "per_thread": spread(counts),
+                        **per_thread_result(counts, samples),
                         "rounds_msg_s": [r.rate for r in of(name, threads, confirms)],
                     }
                 )

@@ -45,9 +45,9 @@ from benchmarks.report import (
     Target,
     fmt_ms,
     fmt_ratio,
+    per_thread_result,
     percentile,
     ratio,
-    spread,
     spread_cells,
 )
 
@@ -254,10 +254,7 @@ def test_publish_throughput(bench_report: Collector) -> None:
                         "threads": threads,
                         "confirms": confirms,
                         "msg_s": value,
-                        "p99_s": p,
-                        "p999_s": percentile(lat, 99.9),
-                        "max_s": max(lat, default=float("nan")),
-                        "per_thread": spread(counts),
+                        **per_thread_result(counts, lat),
                         "rounds_msg_s": [
                             r.rate
                             for r in runs

@@ -79,6 +79,16 @@ def spread(counts: Sequence[int]) -> dict[str, float]:
     }
 
 
+def per_thread_result(counts: Sequence[int], latencies: Sequence[float]) -> dict[str, object]:
+    """What every thread saw, for results.json: publish latency P50/P95/P99/P99.9/max and
+    the per-thread :func:`spread`."""
+    return {
+        **{f"p{q:g}_s".replace(".", ""): percentile(latencies, q) for q in (50, 95, 99, 99.9)},
+        "max_s": max(latencies, default=math.nan),
+        "per_thread": spread(counts),
+    }
+
+
 def spread_cells(counts: Sequence[int], latencies: Sequence[float]) -> list[str]:
     """Table cells: per-thread publishes min / mean / max, min as % of mean, then publish
     latency P50 / P99 / P99.9 / max."""
