@@ -9,9 +9,9 @@ A thread with a complete message (all its frames, already encoded) calls
   only what the kernel had accepted, as with stock py-amqp.
 * **One writer at a time, in turns.** If nobody is writing, the caller becomes the
   *leader* and writes its own message. Otherwise it joins the queue and sleeps. When
-  a leader's write is done, it wakes every waiter whose message it wrote and hands the
-  whole queue to the first waiter in it, who writes that queue as one batch (one
-  ``sendall``), and so on. First come, first served: a call waits for at most the
+  a leader's write is done, it hands the whole queue to the first waiter in it, who
+  writes that queue as one batch (one ``sendall``), and so on; then it wakes every
+  waiter whose message it wrote (the next write need not wait for those wake-ups). First come, first served: a call waits for at most the
   batch being written, then its own batch is written (by itself or by the leader
   ahead of it). Nobody waits behind a stream of newcomers, and a leader writes its
   own batch, then at most the replies nobody waits for, before it returns.
@@ -170,9 +170,9 @@ class Writer:
             self._lead(message.batch, message)
 
     def _lead(self, batch: list[_Message], mine: _Message) -> None:
-        """Write ``batch`` (which holds ``mine``), wake its waiters, then hand the queue
-        to the first waiter in it (or write it too, if nobody in it waits); release the
-        lead when nothing is queued."""
+        """Write ``batch`` (which holds ``mine``), hand the queue to the first waiter in
+        it (or write it too, if nobody in it waits; release the lead when nothing is
+        queued), then wake the batch's waiters."""
         while True:
             try:
                 self._write(batch)
@@ -184,20 +184,21 @@ class Writer:
                     if message is not mine:
                         message.wake(_FAILED)
                 raise
-            for message in batch:
-                if message is not mine:
-                    message.wake(_WRITTEN)
+            written = batch
             with self._lock:
                 batch, self._queue = self._queue, []
-                if not batch:
-                    self._leading = False
-                    return
                 successor = next((m for m in batch if m.waits), None)
                 if successor is not None:
                     successor.batch = batch
                     successor.state = _LEAD
+                elif not batch:
+                    self._leading = False
             if successor is not None:
                 successor.wake(_LEAD)
+            for message in written:
+                if message is not mine:
+                    message.wake(_WRITTEN)
+            if successor is not None or not batch:
                 return
 
     def _write(self, batch: list[_Message]) -> None:
