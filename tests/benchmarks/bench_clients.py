@@ -59,6 +59,7 @@ from benchmarks.report import (
     per_thread_result,
     percentile,
     ratio,
+    spread,
     spread_cells,
 )
 
@@ -66,7 +67,7 @@ pytestmark = pytest.mark.benchmark
 
 THREADS = (10, 100)
 ROUNDS = 1 if QUICK else 2
-WINDOW = 0.3 if QUICK else 1.5  # seconds of publishing per run
+WINDOW = 0.3 if QUICK else 5.0  # seconds of publishing per run
 BODY = b"x" * 64
 STALL_AFTER = 20.0  # seconds after the window: a thread still blocked then has stalled
 CLOSE_THREADS = 10
@@ -370,6 +371,29 @@ def test_client_throughput(bench_report: Collector) -> None:
             p99_dr <= p99_st,
         ),
     ]
+    fair_targets = []
+    for confirms in (False, True):
+        for threads in THREADS:
+            kind = f"{'confirms' if confirms else 'no confirms'}, {threads} threads"
+            slowest = spread(per_thread("drainer", threads, confirms))["min_of_mean"]
+            fair_targets.append(
+                Target(
+                    f"{kind}: drainer's slowest thread, of the mean",
+                    f"{100 * slowest:.0f}%",
+                    ">= 20%",
+                    slowest >= 0.2,
+                )
+            )
+            longest = max(lat("drainer", threads, confirms), default=float("nan"))
+            stock = max(lat("stock+lock", threads, confirms), default=float("nan"))
+            fair_targets.append(
+                Target(
+                    f"{kind}: drainer's longest publish vs stock+lock's",
+                    f"{fmt_ms(longest)} vs {fmt_ms(stock)}",
+                    "<= stock+lock's",
+                    longest <= stock,
+                )
+            )
     seconds = time.perf_counter() - began
     bench_report.add(
         Section(
@@ -419,6 +443,7 @@ def test_client_throughput(bench_report: Collector) -> None:
             title="A.2 Fairness between publishing threads, and publish latency (benchmark A)",
             headers=["client", "threads", "confirms", *SPREAD_HEADERS],
             rows=fair_rows,
+            targets=fair_targets,
             notes=[
                 "Per-thread publishes: how many publishes each thread completed in its "
                 f"{WINDOW:g} s window (every thread of every round); 'min % of mean' near 0 "
@@ -426,6 +451,8 @@ def test_client_throughput(bench_report: Collector) -> None:
                 "Latency: time.perf_counter() around every publish call of every thread and "
                 "round (the warm-up call excepted), the slow ones included; with confirms a "
                 "call returns on the broker's ack. 'max' is the longest single call.",
+                "Targets are reported, not asserted; the test suite asserts hard bounds "
+                "(slowest thread >= 5% of the mean, longest publish < 2 s, over 5 s).",
             ],
             order=1,
         )
