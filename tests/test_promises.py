@@ -243,9 +243,13 @@ def test_a_script_that_publishes_and_exits_delivers_what_returned(
 ) -> None:
     script = textwrap.dedent(EXIT_SCRIPT).format(host=BROKER_HOST)
     for _ in range(5):
-        subprocess.run(
-            [sys.executable, "-c", script, fresh_queue, mode], check=True, timeout=JOIN * 2
+        child = subprocess.run(
+            [sys.executable, "-c", script, fresh_queue, mode],
+            capture_output=True,
+            text=True,
+            timeout=JOIN * 2,
         )
+        assert child.returncode == 0, child.stderr
         main = [b for b in queue_bodies(fresh_queue) if b.startswith(b"main-")]
         assert sorted(main) == sorted(b"main-%d" % n for n in range(20)), main
 
