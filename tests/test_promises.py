@@ -9,54 +9,24 @@ reaches a thread waiting in the writer at once.
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
-import amqp
 import kombu
 import pytest
 from amqp import Message
 from amqp.exceptions import ChannelError, RecoverableConnectionError
 from support.broker import BROKER_HOST, JOIN, unique_name, wait_until
-from support.relays import RECV_SIZE, relay
+from support.publishing import Publishers, connect, lose_the_link_while_publishing, queue_bodies
 
 import drainer_amqp
 
 MODES = ["drainer", "legacy"]
 THREADS = 10
-
-
-def connect(mode: str, host: str = BROKER_HOST, **options: Any) -> drainer_amqp.Connection:
-    """A connected connection in ``mode``: "drainer", "legacy", or "stock" (py-amqp's
-    own, for comparison: its callers must take turns)."""
-    if mode == "stock":
-        conn = amqp.Connection(host=host, **options)
-    else:
-        conn = drainer_amqp.Connection(host=host, dedicated_drainer=mode == "drainer", **options)
-    conn.connect()
-    return conn
-
-
-def queue_bodies(name: str) -> list[bytes]:
-    """Every message body in queue ``name``, taken with basic_get (acked)."""
-    conn = connect("drainer")
-    try:
-        channel = conn.channel()
-        bodies: list[bytes] = []
-        while True:
-            message = channel.basic_get(name, no_ack=True)
-            if message is None:
-                return bodies
-            bodies.append(message.body)
-    finally:
-        conn.close()
 
 
 @pytest.fixture
@@ -68,65 +38,6 @@ def fresh_queue() -> Iterator[str]:
     yield name
     conn.channel().queue_delete(name)
     conn.close()
-
-
-class Publishers:
-    """``n`` threads publishing unique bodies until told to stop or the connection ends.
-
-    ``returned[i]`` holds the bodies whose publish returned OK in thread ``i``;
-    ``started`` is set once every thread has published at least once."""
-
-    def __init__(self, n: int, publish: Callable[[int, bytes], object]) -> None:
-        self.returned: list[list[bytes]] = [[] for _ in range(n)]
-        self.longest = [0.0] * n
-        self.errors: list[BaseException | None] = [None] * n
-        self.stop = threading.Event()
-        self._publish = publish
-        self._ready = threading.Barrier(n + 1)
-        self.threads = [
-            threading.Thread(target=self._run, args=(i,), name=f"publisher-{i}", daemon=True)
-            for i in range(n)
-        ]
-
-    def __enter__(self) -> Publishers:
-        for thread in self.threads:
-            thread.start()
-        self._ready.wait(JOIN)
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(JOIN)
-            assert not thread.is_alive(), f"{thread.name} hung"
-
-    def _run(self, i: int) -> None:
-        mine = self.returned[i]
-        n = 0
-        try:
-            while not self.stop.is_set():
-                body = b"%d-%d" % (i, n)
-                start = time.perf_counter()
-                self._publish(i, body)
-                self.longest[i] = max(self.longest[i], time.perf_counter() - start)
-                mine.append(body)
-                if n == 0:
-                    self._ready.wait(JOIN)
-                n += 1
-        except BaseException as exc:  # noqa: BLE001 - a closed connection ends the loop
-            self.errors[i] = exc
-            if n == 0:
-                self._ready.abort()
-
-    def wait_for(self, count: int) -> None:
-        """Until every thread has published ``count`` messages."""
-        assert wait_until(lambda: min(map(len, self.returned)) >= count, JOIN), self.counts()
-
-    def counts(self) -> list[int]:
-        return [len(r) for r in self.returned]
-
-    def all_returned(self) -> set[bytes]:
-        return {body for bodies in self.returned for body in bodies}
 
 
 def assert_delivered(returned: set[bytes], name: str) -> None:
@@ -346,59 +257,12 @@ def test_a_link_failure_loses_no_more_returned_publishes_than_the_kernel_held(
     mode: str, fresh_queue: str
 ) -> None:
     """The relay stops reading while 10 threads publish 1 KiB messages, then the link
-    dies. The returned publishes that are not in the queue must fit in the kernel's
-    buffers on the way (the client's send buffer, the relay's receive buffer) plus the
-    relay's one read: what stock py-amqp loses too (checked here, its callers taking
-    turns under a lock), and nothing the library held back after a publish returned."""
-    buffer = 32 * 1024  # small buffers, so that a write-behind queue would show
-    body_size = 1024
-    with relay(client_rcvbuf=buffer) as link:
-        conn = connect(mode, host=f"127.0.0.1:{link.port}")
-        sock = conn.transport.sock
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
-        try:
-            channels = [conn.channel() for _ in range(THREADS)]
-            turns = threading.Lock() if mode == "stock" else contextlib.nullcontext()
-
-            def publish(i: int, body: bytes) -> None:
-                with turns:
-                    channels[i].basic_publish(
-                        Message(body.ljust(body_size, b".")), routing_key=fresh_queue
-                    )
-
-            with Publishers(THREADS, publish) as publishers:
-                publishers.wait_for(50)
-                link.forwarding.clear()
-                assert wait_until(stalled(publishers), JOIN, 0.2), "publishing never stalled"
-                held = (
-                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-                    + link.client_socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-                    + RECV_SIZE
-                )
-                link.close()  # the link dies with the client's bytes in its buffers
-                assert wait_until(lambda: all(publishers.errors), JOIN), publishers.errors
-        finally:
-            conn.collect()
-    for error in publishers.errors:
+    dies (:func:`lose_the_link_while_publishing`). The returned publishes that are not
+    in the queue must fit in the kernel's buffers on the way: what stock py-amqp loses
+    too (checked here, its callers taking turns under a lock), and nothing the library
+    held back after a publish returned."""
+    loss = lose_the_link_while_publishing(mode, fresh_queue, THREADS)
+    for error in loss.errors:
         assert isinstance(error, (OSError, RecoverableConnectionError)), repr(error)
-    returned = {body.ljust(body_size, b".") for body in publishers.all_returned()}
-    in_queue = set(queue_bodies(fresh_queue))
-    assert in_queue <= {
-        (b"%d-%d" % (i, n)).ljust(body_size, b".")
-        for i, count in enumerate(publishers.counts())
-        for n in range(count + 1)
-    }, "the queue holds a message nobody published"
-    lost = len(returned - in_queue)
-    assert lost * body_size <= held, f"{lost} returned publishes lost; the kernel held {held} B"
-
-
-def stalled(publishers: Publishers) -> Callable[[], bool]:
-    """A condition: no publish has returned since the last time it was asked."""
-    last = [-1]
-
-    def check() -> bool:
-        now = sum(publishers.counts())
-        same, last[0] = now == last[0], now
-        return same
-
-    return check
+    assert not loss.strangers, "the queue holds a message nobody published"
+    assert loss.lost * loss.body_size <= loss.held, loss

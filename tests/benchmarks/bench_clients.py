@@ -44,6 +44,7 @@ import amqpstorm
 import pytest
 from kombu import Producer
 from support.broker import BROKER_HOST, unique_name
+from support.publishing import LinkLoss, lose_the_link_while_publishing
 
 import drainer_amqp
 from benchmarks import QUICK, all_stacks
@@ -678,6 +679,60 @@ def test_close_while_publishing(bench_report: Collector) -> None:
     )
     ours = [r for r in runs if r.client in ("drainer", "legacy") and (r.seconds is None or r.stuck)]
     assert not ours, f"{ours[0].client}: close() or publishers hung:\n{ours[0].stacks}"
+
+
+# -- A.5: returned publishes lost when the link dies -------------------------------------
+LOSS_ROUNDS = 1 if QUICK else 3
+LOSS_MODES = ("drainer", "legacy", "stock")
+
+
+def test_link_failure_loss(bench_report: Collector) -> None:
+    began = time.perf_counter()
+    admin = Admin()
+    runs: list[LinkLoss] = []
+    try:
+        for i in range(LOSS_ROUNDS):
+            for mode in LOSS_MODES if i % 2 == 0 else LOSS_MODES[::-1]:
+                queue = admin.declare()
+                try:
+                    runs.append(lose_the_link_while_publishing(mode, queue, CLOSE_THREADS))
+                finally:
+                    admin.delete(queue)
+    finally:
+        admin.close()
+    rows = []
+    for mode in LOSS_MODES:
+        mine = [r for r in runs if r.mode == mode]
+        rows.append(
+            [
+                {"stock": "stock py-amqp + lock"}.get(mode, mode),
+                str(len(mine)),
+                f"{sum(r.returned for r in mine):,}",
+                ", ".join(str(r.lost) for r in mine),
+                f"{max(r.held // r.body_size for r in mine):,}",
+            ]
+        )
+    bench_report.add(
+        Section(
+            key="link_failure_loss",
+            title=f"A.5 Returned publishes lost when the link dies ({CLOSE_THREADS} threads)",
+            headers=["client", "rounds", "returned OK", "lost, by round", "the kernel held"],
+            rows=rows,
+            notes=[
+                f"{CLOSE_THREADS} threads publish unique 1 KiB bodies through a relay; the "
+                "relay stops reading, and once no publish has returned for 0.2 s it closes "
+                "both sockets. 'lost': publishes that returned OK and are not in the queue. "
+                "'the kernel held': in messages, the client's send buffer, the relay's "
+                "receive buffer (both set to 32 KiB; Linux doubles them) and the relay's one "
+                "64 KiB read: the most any client that writes before it returns can lose.",
+                "tests/test_promises.py asserts lost <= held for the three clients.",
+            ],
+            raw={"runs": [{**asdict(r), "errors": [repr(e) for e in r.errors]} for r in runs]},
+            seconds=time.perf_counter() - began,
+            order=4,
+        )
+    )
+    assert not any(r.strangers for r in runs), "a queue held a message nobody published"
 
 
 # -- B: one-thread per-call cost ----------------------------------------------------------
