@@ -151,6 +151,7 @@ def test_worker_threads_publish_and_consume_every_message_once(
 
     worker = dramatiq.Worker(broker, worker_threads=WORKER_THREADS, worker_timeout=100)
     connections_before = set(_connections)
+    readers_before = set(drainer_threads())
     started = time.monotonic()
     try:
         worker.start()
@@ -162,7 +163,7 @@ def test_worker_threads_publish_and_consume_every_message_once(
             f"{recorder.ids.total()} of {EXPECTED} processed in {DONE_TIMEOUT}s"
         )
         elapsed = time.monotonic() - started
-        readers = len(drainer_threads())
+        readers = len(set(drainer_threads()) - readers_before)
     finally:
         worker.stop(timeout=30_000)
         try:
