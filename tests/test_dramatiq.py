@@ -28,7 +28,7 @@ with warnings.catch_warnings():  # its use of a name dramatiq 2 deprecates
     warnings.simplefilter("ignore", DeprecationWarning)
     from dramatiq_kombu_broker import ConnectionPooledKombuBroker, ConnectionSharedKombuBroker
 
-HOST, PORT = BROKER_HOST.split(":")
+PORT = int(BROKER_HOST.rpartition(":")[2])
 ROOTS = 40  # root messages sent by the test, each sending CHILDREN from its actor
 CHILDREN = 20
 PIPELINES = 40  # started from inside an actor, each with STAGES stages
@@ -42,10 +42,7 @@ def make_broker(transport: str, options: dict[str, Any]) -> ConnectionPooledKomb
     """The recipe of docs/dramatiq.md, with a unique default queue."""
     return ConnectionPooledKombuBroker(
         kombu_connection_options={
-            "hostname": HOST,
-            "port": int(PORT),
-            "userid": "guest",
-            "password": "guest",
+            "hostname": f"amqp://guest:guest@{BROKER_HOST}//",
             "transport": transport,  # type: ignore[typeddict-unknown-key]
             "transport_options": options,  # type: ignore[typeddict-item]
         },
@@ -92,7 +89,7 @@ def clean_process() -> Iterator[None]:
     """After the test: no dramatiq thread, drainer thread, socket to the broker, or open
     drainer connection left behind by it."""
     threads_before = set(threading.enumerate())
-    sockets_before = len(sockets_to(int(PORT)))
+    sockets_before = len(sockets_to(PORT))
     connections_before = set(_connections)
     yield
     dramatiq_threads = [
@@ -104,7 +101,7 @@ def clean_process() -> Iterator[None]:
     assert not set(drainer_threads()) - threads_before, "drainer threads left"
     opened = set(_connections) - connections_before
     assert all(c.reason is not None for c in opened), "drainer connections left open"
-    assert len(sockets_to(int(PORT))) <= sockets_before, "sockets to the broker left"
+    assert len(sockets_to(PORT)) <= sockets_before, "sockets to the broker left"
 
 
 @pytest.mark.parametrize("dedicated_drainer", [True, False], ids=["drainer", "legacy"])
@@ -250,8 +247,7 @@ def test_the_shared_broker_refuses_our_transport() -> None:
     with pytest.raises(RuntimeError, match="Unsupported transport"):
         broker = ConnectionSharedKombuBroker(
             kombu_connection_options={
-                "hostname": HOST,
-                "port": int(PORT),
+                "hostname": f"amqp://guest:guest@{BROKER_HOST}//",
                 "transport": "drainer_amqp:Transport",  # type: ignore[typeddict-unknown-key]
             }
         )
