@@ -14,7 +14,7 @@ which reopens it.
 
 The connection interface used here: ``waiters``, ``inbox``, ``reader``,
 ``send_frames``, ``publish_encoder``, ``send_encoded``, ``wait_unblocked``,
-``raise_if_ended``, ``error_for_caller``, ``reason``.
+``raise_if_ended``, ``error_for_caller``, ``reason``, ``messages_sent``, ``on_confirm``.
 """
 
 from __future__ import annotations
@@ -375,6 +375,7 @@ class Channel(pyamqp.Channel):
 
         def number() -> None:  # as it is queued: the delivery tag is the write order
             nonlocal tag
+            conn.messages_sent += 1
             if self._confirm_mode:
                 tag = self.confirms.number(waiter)
 
@@ -421,6 +422,7 @@ class Channel(pyamqp.Channel):
             self.confirm_select()
         waiter = conn.waiters.add(Waiter())
         tag = 0
+        start = monotonic()
         try:
             tag = self._publish(
                 msg, exchange, routing_key, mandatory, immediate, timeout, argsig, waiter
@@ -429,6 +431,8 @@ class Channel(pyamqp.Channel):
         finally:
             self.confirms.drop(tag)
             conn.waiters.discard(waiter)
+        if conn.on_confirm is not None:
+            conn.on_confirm(monotonic() - start, method_sig != _NACK)
         if method_sig == _NACK:
             raise MessageNacked()
         return promise()

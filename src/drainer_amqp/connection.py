@@ -105,6 +105,9 @@ class Connection(amqp.Connection):
 
     Channel = Channel
     channels: dict[int, Any] | None  # type: ignore[assignment]
+    #: Called in the publishing thread with the seconds a confirmed publish took until
+    #: the broker's answer and whether it was an ack (not a nack); quick, never raising.
+    on_confirm: Callable[[float, bool], None] | None = None
     _transport: Any
 
     def __init__(
@@ -135,6 +138,7 @@ class Connection(amqp.Connection):
         self._drainer: Drainer | None = None
         self._closed_ok: Waiter | None = None  # set by close() while it waits for CloseOk
         self._lock_held = 0.0  # seconds the drainer held the transport lock (stats)
+        self.messages_sent = 0  # publishes queued to the writer, under its lock (stats)
         # The thread reading and dispatching frames now, under the transport lock (the
         # drainer, or a legacy reader). Replies py-amqp writes from there (CloseOk, a
         # channel's CloseOk) must not wait for another thread's flush: in legacy mode
@@ -546,6 +550,7 @@ class Connection(amqp.Connection):
             "running": bool(drainer and drainer.is_alive()),
             "lock_held_seconds": self._lock_held,
             "waiting_threads": len(self.waiters),
+            "messages_sent": self.messages_sent,
             "pending_callbacks": len(self.inbox),
             "reading_paused": self.inbox.full,
             "blocked": not self._unblocked.is_set(),
