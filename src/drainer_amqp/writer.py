@@ -11,10 +11,11 @@ A thread with a complete message (all its frames, already encoded) calls
   *leader* and writes its own message. Otherwise it joins the queue and sleeps. When
   a leader's write is done, it hands the whole queue to the first waiter in it, who
   writes that queue as one batch (one ``sendall``), and so on; then it wakes every
-  waiter whose message it wrote (the next write need not wait for those wake-ups). First come, first served: a call waits for at most the
-  batch being written, then its own batch is written (by itself or by the leader
-  ahead of it). Nobody waits behind a stream of newcomers, and a leader writes its
-  own batch, then at most the replies nobody waits for, before it returns.
+  waiter whose message it wrote (the next write need not wait for those wake-ups).
+  First come, first served: a call waits for at most the batch being written, then its
+  own batch is written (by itself or by the leader ahead of it). Nobody waits behind a
+  stream of newcomers, and a leader writes its own batch, then at most the replies
+  nobody waits for, before it returns.
 * **A failure reaches every waiter at once.** :meth:`fail` makes every queued message
   raise the connection's reason (none of them was written) and every later ``send``
   raise it; the leader's write of its batch either ends (written: those calls return)
