@@ -2,7 +2,7 @@
 # Create the environment and run the benchmarks (the README's first command): the
 # drainer against legacy mode, and (benchmarks A-E) against stock kombu/py-amqp and
 # amqpstorm in the same run. Full mode by default (about 10 minutes), then a short soak
-# (scripts/soak.sh: four runs of SOAK_SECONDS, default 30 here, about 3 minutes;
+# (scripts/soak.sh: four runs of SOAK_SECONDS, default 30 here, about 4 minutes;
 # SOAK_SECONDS=600 for the long soak, about 42 minutes; SOAK_SECONDS=0 skips it);
 # DRAINER_BENCH_QUICK=1 for the short CI variant (no soak).
 # Prints each benchmark's table and writes bench-results/report.md, results.json and
