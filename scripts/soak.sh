@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Create the environment and run the soak: one kombu connection shared by many threads
 # through a fault proxy, a fault every few seconds, for SOAK_SECONDS per run (default
-# 600: the four runs take about 42 minutes; scripts/bench.sh runs it last). Runs scenario A (20 threads) with the
-# drainer, in legacy mode and with stock kombu behind one lock, and scenario B
-# (8 retrying publishers). Prints one line per run and a summary; writes
-# bench-results/soak.json. With RabbitMQ installed locally it starts a node of its own,
+# 600: the four runs take about 42 minutes; scripts/bench.sh runs it last, 30 s per run
+# by default). Runs scenario A (20 threads) with the drainer, in legacy mode and with
+# stock kombu behind one lock, and scenario B (8 retrying publishers). Runs under 300 s
+# report the RSS slope without judging it, and bound stuck threads by 45 s rather than
+# twice the longest fault (tests/soak/run.py: targets). Prints one line per run and a
+# summary; writes bench-results/soak.json. With RabbitMQ installed locally it starts a node of its own,
 # so the memory-alarm fault is drawn too (SOAK_OWN_NODE=0: the shared broker only).
 # Extra arguments go to the soak (e.g. --seed 5 --runs A/drainer).
 set -euo pipefail

@@ -13,7 +13,7 @@ import pytest
 from amqp import spec
 from amqp.method_framing import frame_writer
 from amqp.serialization import dumps
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from support.broker import unique_name, wait_until
 
@@ -41,6 +41,13 @@ def py_amqp_bytes(frame_max: int, channel_id: int, publish: Publish, msg: Any) -
     write = frame_writer(wire, wire)
     write(1, channel_id, spec.Basic.Publish, dumps("Bssbb", (0, *publish)), msg)
     return b"".join(wire.chunks)
+
+
+#: py-amqp 5.2 writes no content header for an empty body that does not fit in one frame
+#: (``if body:``), a publish the broker refuses; the encoder writes it, as later releases do.
+EMPTY_BODY_HEADER_DROPPED = (
+    py_amqp_bytes(9, 1, ("", "", False, False), amqp.Message(b"")).count(b"\xce") == 1
+)
 
 
 def encoded_bytes(encoder: PublishEncoder, channel_id: int, publish: Publish, msg: Any) -> bytes:
@@ -162,6 +169,7 @@ def test_the_encoder_writes_py_amqps_bytes(
     case: tuple[int, int, Publish, Any, Any],
 ) -> None:
     frame_max, channel_id, publish, cls, (body, props) = case
+    assume(not (EMPTY_BODY_HEADER_DROPPED and cls is not None and len(body) == 0))
     theirs = None if cls is None else cls(body, **copy.deepcopy(props))
     ours = None if cls is None else cls(body, **copy.deepcopy(props))
     encoder = PublishEncoder(frame_max)

@@ -533,7 +533,11 @@ def _check_failover(
     raw2 = conn.connection
     assert isinstance(raw2, drainer_amqp.Connection) and raw2.host == f"127.0.0.1:{port2}"
     assert conn.port == port2
-    assert len(errors) == 1 and isinstance(errors[0], ConnectionLost), errors
+    assert isinstance(errors[0], ConnectionLost), errors
+    # kombu 5.3 retries the first URL once (refused) before it moves to the second.
+    refused = errors[1:] if kombu.VERSION < (5, 7) else []
+    assert len(errors) == 1 + len(refused), errors
+    assert all(isinstance(e, ConnectionRefusedError) for e in refused), errors
     assert wait_until(lambda: f"drainer-amqp-127.0.0.1:{port1}" not in drainer_thread_names(), WAIT)
     assert f"drainer-amqp-127.0.0.1:{port2}" in drainer_thread_names()
     assert open_links(port1) == 0 and open_links(port2) == 1

@@ -4,6 +4,7 @@ Public API: :class:`Connection`, :class:`Transport`, :class:`SSLTransport` and t
 errors in :mod:`drainer_amqp.errors`. The threading contract is in docs/threading.md.
 """
 
+from . import compat  # noqa: F401  (first: says which py-amqp/kombu internal is missing)
 from .channel import Channel
 from .connection import Connection
 from .errors import (

@@ -337,18 +337,28 @@ def _undo_all(proxy: Any, broker: Broker) -> None:
             broker.set_watermark(broker.default_watermark)
 
 
+#: A run this long judges the heap's slope and bounds stuck threads by its longest fault.
+#: A shorter run reports both: its slope is mostly warm-up, and it may draw only short
+#: faults (one every 5-20 s), so a fixed bound (as tests/test_soak.py's) judges stuck.
+LONG_RUN = 300.0
+SHORT_RUN_STUCK_BOUND = 45.0
+
+
 def targets(result: dict[str, Any]) -> dict[str, bool]:
     """The soak's targets; every one true for a run that met them."""
-    bound = 2 * result["longest_fault_s"]
+    long_run = result["seconds"] >= LONG_RUN
+    stuck = "stuck_within_2x_longest_fault" if long_run else "stuck_within_45s"
+    bound = 2 * result["longest_fault_s"] if long_run else SHORT_RUN_STUCK_BOUND
     out = {
         "lost_0": result["lost"] == 0,
         "no_leaks": not result["threads_leaked"]
         and result["fds_leaked"] == 0
         and result["sockets_left"] == 0,
-        "rss_slope_below_1_mb_per_min": result["rss_slope_mb_per_min"] < 1.0,
-        "stuck_within_2x_longest_fault": result["max_stuck_s"] <= bound and not result["hung"],
+        stuck: result["max_stuck_s"] <= bound and not result["hung"],
         "typed_errors_only": not result["unexpected_errors"],
     }
+    if long_run:
+        out["rss_slope_below_1_mb_per_min"] = result["rss_slope_mb_per_min"] < 1.0
     if result["scenario"] == "B":
         out["no_connection_closed_intentionally"] = result["connection_closed_intentionally"] == 0
     return out
