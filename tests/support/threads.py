@@ -25,7 +25,6 @@ __all__ = [
     "Drain",
     "blocked_in",
     "drain_in_background",
-    "inside",
     "stack_names",
     "wait_until_blocked",
 ]
@@ -49,11 +48,6 @@ def stack_names(thread: threading.Thread) -> list[str]:
         names.append(frame.f_code.co_name)
         frame = frame.f_back
     return names
-
-
-def inside(thread: threading.Thread, function: str) -> bool:
-    """Whether ``thread``'s stack passes through a function named ``function``."""
-    return function in stack_names(thread)
 
 
 def _asleep_at(thread: threading.Thread, entry_points: Iterable[str]) -> Any:
