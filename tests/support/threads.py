@@ -50,7 +50,9 @@ def stack_names(thread: threading.Thread) -> list[str]:
     return names
 
 
-def _asleep_at(thread: threading.Thread, entry_points: Iterable[str]) -> Any:
+def _asleep_at(
+    thread: threading.Thread, entry_points: Iterable[str]
+) -> tuple[FrameType, int] | None:
     """``(frame, line)`` where ``thread`` sleeps inside one of ``entry_points``, or None."""
     frame: FrameType | None = sys._current_frames().get(thread.ident or -1)
     if frame is None or frame.f_code.co_name not in BLOCKING_FRAMES:
