@@ -22,6 +22,7 @@ from support.broker import (
     unique_name,
     wait_until,
 )
+from support.threads import drain_in_background, wait_until_blocked
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
@@ -103,10 +104,8 @@ def test_publish_never_waits_for_a_read_in_drainer_mode(connect, queue) -> None:
     idle_queue = idle.queue_declare("", exclusive=True).queue
     idle.basic_consume(idle_queue, callback=lambda m: None)
     drain_returned = threading.Event()
-    drain_started = threading.Event()
 
     def stuck_consumer() -> None:
-        drain_started.set()
         try:
             conn.drain_events(timeout=30)
         except BaseException:  # noqa: BLE001 - ends when the connection closes
@@ -115,7 +114,7 @@ def test_publish_never_waits_for_a_read_in_drainer_mode(connect, queue) -> None:
 
     consumer = threading.Thread(target=stuck_consumer, name="stuck-consumer")
     consumer.start()
-    assert drain_started.wait(5)
+    assert wait_until_blocked(consumer, {"drain_events"}), "drain_events() did not block"
 
     def publisher() -> None:
         channel = conn.channel()
@@ -137,30 +136,15 @@ def test_many_threads_publish_while_another_drains(connect, queue, mode: str) ->
     conn = connect(mode)
     idle = conn.channel()
     idle.basic_consume(idle.queue_declare("", exclusive=True).queue, callback=lambda m: None)
-    stop = threading.Event()
 
-    def consumer() -> None:
-        while not stop.is_set():
-            try:
-                conn.drain_events(timeout=1)
-            except TimeoutError:
-                pass
+    def publisher() -> None:
+        channel = conn.channel()
+        for i in range(3):  # legacy: each publish may wait for one read timeout
+            channel.basic_publish(amqp.Message(str(i)), routing_key=queue)
 
-    reader = threading.Thread(target=consumer, name="consumer")
-    reader.start()
-    try:
-
-        def publisher() -> None:
-            channel = conn.channel()
-            for i in range(3):  # legacy: each publish may wait for one read timeout
-                channel.basic_publish(amqp.Message(str(i)), routing_key=queue)
-
+    with drain_in_background(conn, timeout=1, name="consumer"):
         assert run_threads([publisher] * 8, "publisher") == [None] * 8
         assert wait_until(lambda: count_messages(conn, queue) == 24, 10)
-    finally:
-        stop.set()
-        reader.join(JOIN)
-    assert not reader.is_alive()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -184,22 +168,8 @@ def test_synchronous_methods_from_20_threads_at_once(connect, mode: str) -> None
 
     # A reader beside them: in legacy mode it reads other threads' replies, which must
     # still reach them (the wait is registered before the request is written).
-    stop = threading.Event()
-
-    def reader() -> None:
-        while not stop.is_set():
-            try:
-                conn.drain_events(timeout=0.05)
-            except TimeoutError:
-                pass
-
-    reader_thread = threading.Thread(target=reader, name="reader")
-    reader_thread.start()
-    try:
+    with drain_in_background(conn, timeout=0.05, name="reader"):
         assert run_threads([worker] * 20, "sync") == [None] * 20
-    finally:
-        stop.set()
-        reader_thread.join(JOIN)
 
 
 def test_confirms_on_one_shared_channel_are_matched_by_delivery_tag(connect, queue) -> None:
@@ -301,10 +271,8 @@ def test_broker_side_close_is_noticed_at_once(connect, queue) -> None:
     channel = conn.channel()
     port = conn.sock.getsockname()[1]
     woke: list[BaseException] = []
-    waiting = threading.Event()
 
     def waiter() -> None:
-        waiting.set()
         try:
             conn.drain_events(timeout=60)
         except BaseException as exc:  # noqa: BLE001 - asserted below
@@ -312,7 +280,7 @@ def test_broker_side_close_is_noticed_at_once(connect, queue) -> None:
 
     thread = threading.Thread(target=waiter, name="waiter")
     thread.start()
-    assert waiting.wait(5)
+    assert wait_until_blocked(thread, {"drain_events"}), "drain_events() did not block"
     assert close_broker_connections(port, "test: broker-side close") == 1
     thread.join(JOIN)
     assert not thread.is_alive()
@@ -372,29 +340,33 @@ def test_close_wakes_every_waiter_with_closed_intentionally(connect, mode: str) 
     conn = connect(mode)
     idle = conn.channel()
     idle.basic_consume(idle.queue_declare("", exclusive=True).queue, callback=lambda m: None)
-    ready = threading.Barrier(6, timeout=JOIN)
+    errors: list[BaseException | None] = [None] * 5
 
-    def blocked() -> None:
-        ready.wait()
-        while True:
-            try:
-                conn.drain_events(timeout=60)  # legacy: blocked in a read all along
-            except TimeoutError:
-                pass
+    def blocked(i: int) -> None:
+        try:
+            while True:
+                try:
+                    conn.drain_events(timeout=60)  # legacy: one reads, four wait for the lock
+                except TimeoutError:
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors[i] = exc
 
-    results: list[list[BaseException | None]] = []
-    runner = threading.Thread(
-        target=lambda: results.append(run_threads([blocked] * 5, "blocked")),
-        name="runner",
-    )
-    runner.start()
-    ready.wait()
+    threads = [
+        threading.Thread(target=blocked, args=(i,), name=f"blocked-{i}", daemon=True)
+        for i in range(5)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        assert wait_until_blocked(t, {"drain_events"}), f"{t.name} did not block"
     started = time.monotonic()
     conn.close()
     took = time.monotonic() - started
-    runner.join(JOIN)
-    assert not runner.is_alive()
-    assert all(isinstance(e, ConnectionClosedIntentionally) for e in results[0]), results
+    for t in threads:
+        t.join(JOIN)
+        assert not t.is_alive(), f"{t.name} was not woken"
+    assert all(isinstance(e, ConnectionClosedIntentionally) for e in errors), errors
     assert took < CLOSE_TIMEOUT, f"close() took {took:.1f}s, beyond its deadline"
     with pytest.raises(ConnectionClosedIntentionally):
         conn.drain_events(timeout=1)

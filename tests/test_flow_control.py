@@ -16,7 +16,6 @@ The measured waits and close times are printed (``-s``), not asserted beyond har
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from amqp.exceptions import RecoverableConnectionError
 from kombu.transport import pyamqp
 from support.broker import JOIN, unique_name, wait_until
 from support.rabbit_nodes import RabbitNode
+from support.threads import Drain, wait_until_blocked
 
 import drainer_amqp
 from drainer_amqp import ConnectionBlocked, ConnectionClosedIntentionally
@@ -51,15 +51,6 @@ def memory_alarm(node: RabbitNode) -> Iterator[None]:
         node.set_vm_memory_high_watermark(before)
 
 
-def _in(thread: threading.Thread, function: str) -> bool:
-    frame = sys._current_frames().get(thread.ident or -1)
-    while frame is not None:
-        if frame.f_code.co_name == function:
-            return True
-        frame = frame.f_back
-    return False
-
-
 class Client:
     """A connection to ``node`` with a drain thread (``flow-drain``) that runs its
     callbacks, and a record of which thread ran ``on_blocked`` / ``on_unblocked``."""
@@ -67,7 +58,6 @@ class Client:
     def __init__(self, node: RabbitNode, mode: str, blocked_timeout: float) -> None:
         self.events: list[tuple[str, str]] = []  # (event, thread name)
         self.cond = threading.Condition()  # guards events
-        self.drain_error: BaseException | None = None
         self.conn = drainer_amqp.Connection(
             host=f"127.0.0.1:{node.port}",
             dedicated_drainer=(mode == "drainer"),
@@ -81,24 +71,12 @@ class Client:
         self.channel.queue_declare(self.queue, auto_delete=False)
         self.confirming = self.conn.channel()
         self.confirming.confirm_select()
-        self._stop = threading.Event()
-        self.drainer = threading.Thread(target=self._drain, name="flow-drain")
-        self.drainer.start()
+        self.drain = Drain(self.conn, timeout=0.2, name="flow-drain").start()
 
     def _event(self, name: str) -> None:
         with self.cond:
             self.events.append((name, threading.current_thread().name))
             self.cond.notify_all()
-
-    def _drain(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.conn.drain_events(timeout=0.2)
-            except TimeoutError:
-                continue
-            except BaseException as exc:  # noqa: BLE001 - reported to the test
-                self.drain_error = exc
-                return
 
     def wait_event(self, name: str) -> list[str]:
         """Wait until ``name`` happened; return the threads it ran in."""
@@ -127,11 +105,10 @@ class Client:
         raise AssertionError(f"the broker did not block the connection within {WAIT:g}s")
 
     def close(self) -> None:
-        self._stop.set()
         try:
             self.conn.close()
         finally:
-            self.drainer.join(JOIN)
+            self.drain.stop()
 
     def delete_queue(self, node: RabbitNode) -> None:
         with drainer_amqp.Connection(host=f"127.0.0.1:{node.port}") as admin:
@@ -144,8 +121,7 @@ def clients(own_broker: RabbitNode) -> Iterator[list[Client]]:
     opened: list[Client] = []
     yield opened
     for client in opened:
-        client.close()
-        assert not client.drainer.is_alive(), "the drain thread hung"
+        client.close()  # fails if the drain thread hangs
         client.delete_queue(own_broker)
 
 
@@ -186,7 +162,7 @@ def test_a_blocked_publish_waits_at_most_its_timeout_and_publishing_resumes(
         amqp.Message("after the alarm"), routing_key=client.queue, confirm_timeout=WAIT
     )
     print(f"{mode}: confirmed publish after the alarm took {time.monotonic() - start:.3f}s")
-    assert client.drain_error is None
+    assert client.drain.error is None
     _, count, _ = client.channel.queue_declare(client.queue, passive=True)
     assert count == 2 + written  # none of those refused while blocked
 
@@ -207,7 +183,7 @@ def test_close_while_blocked_returns_within_its_deadline_and_wakes_the_publisher
             name="flow-blocked-publisher",
         )
         publisher.start()
-        assert wait_until(lambda: _in(publisher, "wait_unblocked"), WAIT)
+        assert wait_until_blocked(publisher, {"wait_unblocked"}, WAIT)
 
         start = time.monotonic()
         client.conn.close()
@@ -217,9 +193,9 @@ def test_close_while_blocked_returns_within_its_deadline_and_wakes_the_publisher
         assert took <= CLOSE_TIMEOUT + SLACK
         assert not publisher.is_alive(), "the blocked publish did not wake on close()"
         assert len(outcome) == 1 and isinstance(outcome[0], ConnectionClosedIntentionally), outcome
-        client.drainer.join(JOIN)
-        assert not client.drainer.is_alive()
-        assert isinstance(client.drain_error, ConnectionClosedIntentionally), client.drain_error
+        client.drain.thread.join(JOIN)
+        assert not client.drain.thread.is_alive()
+        assert isinstance(client.drain.error, ConnectionClosedIntentionally), client.drain.error
 
 
 def test_stock_py_amqp_baseline_a_confirmed_publish_on_a_blocked_connection(

@@ -12,7 +12,6 @@ to the proxy's port), which works with a real Toxiproxy too.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +23,7 @@ import pytest
 from kombu import Consumer, Producer, Queue
 from kombu.mixins import W_CONN_LOST, ConsumerMixin
 from support.broker import BROKER_HOST, drainer_threads, unique_name, wait_until
+from support.threads import wait_until_blocked
 from support.toxiproxy.fixtures import ProxiedBroker
 from toxiproxy import Toxiproxy
 
@@ -62,16 +62,6 @@ def open_links(port: int) -> int:
 
 def drainer_thread_names() -> set[str]:
     return {t.name for t in drainer_threads()}
-
-
-def blocked_in(thread: threading.Thread, function: str) -> bool:
-    """Whether ``thread``'s current stack passes through a function named ``function``."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    while frame is not None:
-        if frame.f_code.co_name == function:
-            return True
-        frame = frame.f_back
-    return False
 
 
 class Outcome:
@@ -302,7 +292,7 @@ def test_close_while_an_autoretry_function_drains_does_not_reconnect(
         )
         raw = conn.connection
         receiver = Outcome(retrying, name="autoretry-receiver")
-        assert wait_until(lambda: blocked_in(receiver.thread, "wait_for"), WAIT)
+        assert wait_until_blocked(receiver.thread, {"drain_events"}, WAIT)
 
         raw.close()
         receiver.join()
@@ -462,7 +452,7 @@ def test_consumer_mixin_ends_promptly_on_close_without_reconnecting(
         assert worker.wait_for(lambda: worker.bodies == ["one"])
         live = worker.live[0]
         raw = live.connection
-        assert wait_until(lambda: blocked_in(runner.thread, "wait_for"), WAIT)
+        assert wait_until_blocked(runner.thread, {"drain_events"}, WAIT)
         caplog.clear()
         caplog.set_level(logging.INFO)
 

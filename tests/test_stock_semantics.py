@@ -21,6 +21,7 @@ from support.broker import (
     unique_name,
     wait_until,
 )
+from support.threads import drain_in_background
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
@@ -293,33 +294,22 @@ def test_a_new_consumers_first_deliveries_are_not_rejected(
         for i in range(COUNT):
             channel.basic_publish(amqp.Message(str(i)), "", queue)
         got: list[Any] = []
-        all_in, stop = threading.Event(), threading.Event()
+        all_in = threading.Event()
 
         def on_message(message: Any, got: list[Any] = got, done: Any = all_in) -> None:
             got.append(message)
             if len(got) == COUNT:
                 done.set()
 
-        def drain(conn: Any = conn, stop: Any = stop) -> None:
-            while not stop.is_set():
-                try:
-                    conn.drain_events(timeout=0.05)
-                except TimeoutError:
-                    pass
-
-        drainer = threading.Thread(target=drain, name="drain-while-consuming")
-        drainer.start()
         try:
-            conn.channel().basic_consume(
-                queue, consumer_tag="first", no_ack=True, callback=on_message
-            )
-            assert all_in.wait(JOIN), f"round {round_}: {len(got)} of {COUNT} arrived"
+            with drain_in_background(conn, timeout=0.05, name="drain-while-consuming"):
+                conn.channel().basic_consume(
+                    queue, consumer_tag="first", no_ack=True, callback=on_message
+                )
+                assert all_in.wait(JOIN), f"round {round_}: {len(got)} of {COUNT} arrived"
         finally:
-            stop.set()
-            drainer.join(JOIN)
             channel.queue_delete(queue)
             conn.close()
-        assert not drainer.is_alive()
         assert [m.body for m in got] == [str(i) for i in range(COUNT)]
         assert not [m for m in got if m.delivery_info["redelivered"]]
 

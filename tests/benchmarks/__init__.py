@@ -10,8 +10,10 @@ import faulthandler
 import os
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
+
+from support.threads import blocked_in, stack_names
 
 import drainer_amqp
 
@@ -45,42 +47,6 @@ def connect(mode: str, host: str = "127.0.0.1:5672", **kwargs: Any) -> drainer_a
     conn = drainer_amqp.Connection(host=host, dedicated_drainer=(mode == "drainer"), **kwargs)
     conn.connect()
     return conn
-
-
-def stack_names(thread: threading.Thread) -> list[str]:
-    """The function names on ``thread``'s Python stack, innermost first."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    names = []
-    while frame is not None:
-        names.append(frame.f_code.co_name)
-        frame = frame.f_back
-    return names
-
-
-#: Innermost Python frames of a thread asleep in the library: a condition or event wait,
-#: a lock acquire in the read/write paths (C locks show as their caller's frame, the
-#: library's FairRLock as ``acquire``), or a blocking socket read (py-amqp's ``_read``).
-BLOCKING_FRAMES = frozenset(
-    {
-        "acquire",  # FairRLock.acquire (legacy transport lock)
-        "wait",
-        "wait_for",
-        "_read_events",
-        "_read",
-        "read_frame",
-        "blocking_read",
-        "write_frame",
-        "write_frame_under_lock",
-        "_writer_turns",
-        "_await_turn",  # Writer: a thread waits for its batch to be written
-    }
-)
-
-
-def blocked_in(thread: threading.Thread, entry_points: Iterable[str]) -> bool:
-    """Whether ``thread`` is inside one of ``entry_points`` and asleep there."""
-    names = stack_names(thread)
-    return bool(names) and names[0] in BLOCKING_FRAMES and bool(set(entry_points) & set(names))
 
 
 def all_stacks() -> str:

@@ -23,7 +23,6 @@ stops them with an event, and joins each within ``JOIN`` seconds.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 import traceback
@@ -36,7 +35,7 @@ from typing import Any
 import amqp
 import kombu
 
-from .broker import drainer_threads, wait_until
+from .broker import drainer_threads, thread_stacks, wait_until
 from .rabbit_nodes import RabbitCluster, RabbitNode
 
 __all__ = [
@@ -176,15 +175,6 @@ def delete_queue(cluster: RabbitCluster, name: str) -> set[str]:
 
 def _format(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}"
-
-
-def _stacks(threads: list[threading.Thread]) -> str:
-    frames = sys._current_frames()
-    return "\n".join(
-        f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
-        for t in threads
-        if t.is_alive() and t.ident in frames
-    )
 
 
 def run_failover(
@@ -339,7 +329,7 @@ def run_failover(
         for t in [*threads, consumer_thread]:
             t.join(JOIN)
         result.hung = [t.name for t in [*threads, consumer_thread] if t.is_alive()]
-        result.stacks = _stacks([*threads, consumer_thread])
+        result.stacks = thread_stacks([*threads, consumer_thread])
         with lock:
             to_close = list(opened)
         for conn in to_close:
