@@ -238,19 +238,35 @@ def test_a_queued_message_that_times_out_is_not_written() -> None:
     assert bytes(sock.data) == b"AB"
 
 
-def test_a_timeout_while_its_batch_is_written_says_it_may_have_been() -> None:
+def test_a_timeout_while_its_batch_is_written_says_it_may_have_been(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The late call's wait times out while the follower is inside ``sendall`` with its
+    message: it may or may not be written yet, and the error says so."""
+    real_wait = _Message.wait
+    in_flight = threading.Event()
+
+    def wait_then_time_out(message: _Message, timeout: float | None) -> bool:
+        if message.chunks != [b"C"]:
+            return real_wait(message, timeout)
+        assert in_flight.wait(JOIN), "the follower never wrote the late message"
+        return False  # its timer fires while its batch is being written
+
+    monkeypatch.setattr(_Message, "wait", wait_then_time_out)
     sock, writer, leader = busy_writer()
     follower, outcome = sender(writer, b"B", "follower")
     queued(writer, 1)
-    late, late_out = sender(writer, b"C", "late", timeout=0.3)
+    late, late_out = sender(writer, b"C", "late", timeout=JOIN)
     queued(writer, 2)
     sock.permit()  # A done: the follower leads B and C and is held writing them
     entered(sock)
+    in_flight.set()
     late.join(JOIN)
     assert isinstance(late_out[0], TimeoutError) and "may have been" in str(late_out[0])
     sock.release_all()
     follower.join(JOIN)
     leader.join(JOIN)
+    assert outcome == ["ok"]
     assert bytes(sock.data) == b"ABC"
 
 
