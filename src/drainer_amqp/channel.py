@@ -72,6 +72,9 @@ class Channel(pyamqp.Channel):
         # A Basic.Return read just before its message's ack (reading thread only).
         self._returned: tuple[bytes, Any] | None = None
         self._ended_connection: Connection | None = None
+        # Held by the thread that selects confirms (the first confirmed publish) until
+        # SelectOk, so that racing threads send Confirm.Select once.
+        self._confirm_lock = threading.Lock()
         super().__init__(connection, *args, **kwargs)
 
     def _live_conn(self) -> Connection | None:
@@ -336,6 +339,11 @@ class Channel(pyamqp.Channel):
             self._confirm_mode = True
         self._confirm_selected = True
 
+    def _select_confirms(self) -> None:
+        with self._confirm_lock:
+            if not self._confirm_selected:  # set as Confirm.Select is queued
+                self.confirm_select()
+
     def _basic_publish(
         self,
         msg: Any,
@@ -417,8 +425,7 @@ class Channel(pyamqp.Channel):
         if conn is None:
             raise self._closed_error()
         if not self._confirm_selected:
-            self._confirm_selected = True
-            self.confirm_select()
+            self._select_confirms()
         waiter = conn.waiters.add(Waiter())
         tag = 0
         try:

@@ -1,0 +1,87 @@
+"""Races found by reading the code, each forced with events and hooks (never sleeps), and
+each concurrency test run once more with the interpreter switching threads constantly."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import amqp
+import pytest
+from support.broker import JOIN
+
+import drainer_amqp
+from drainer_amqp.channel import Channel
+
+MODES = ["legacy", "drainer"]
+
+
+@pytest.fixture(params=["default", "tiny-switch-interval"])
+def switching(request: pytest.FixtureRequest) -> Iterator[None]:
+    previous = sys.getswitchinterval()
+    if request.param != "default":
+        sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(previous)
+
+
+def start(target: Callable[[], object], name: str) -> tuple[threading.Thread, list[Any]]:
+    """Run ``target`` in a thread; the list gets its result or exception."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(target())
+        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+# -- R2: the first confirmed publishes of two threads on one channel ---------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_first_confirmed_publishes_on_one_channel_both_return(
+    connect: Callable[..., drainer_amqp.Connection],
+    mode: str,
+    switching: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    conn = connect(mode)
+    channel = conn.channel()
+    queue = channel.queue_declare("", exclusive=True).queue
+    # Both threads see "confirms not selected yet" before either goes on.
+    both_looked = threading.Barrier(2, timeout=JOIN)
+    looks = [0]
+    looks_lock = threading.Lock()
+
+    def get(self: Channel) -> bool:
+        selected = bool(self.__dict__.get("_test_selected"))
+        with looks_lock:
+            first_two = not selected and looks[0] < 2
+            looks[0] += first_two
+        if first_two:
+            both_looked.wait()
+        return selected
+
+    def set_(self: Channel, value: bool) -> None:
+        self.__dict__["_test_selected"] = value
+
+    monkeypatch.setattr(Channel, "_confirm_selected", property(get, set_), raising=False)
+
+    def publish() -> object:
+        return channel.basic_publish_confirm(amqp.Message(b"x"), "", queue)
+
+    threads = [start(publish, f"publisher-{i}") for i in range(2)]
+    for thread, _ in threads:
+        thread.join(JOIN)
+    hung = [t.name for t, _ in threads if t.is_alive()]
+    conn.collect()  # wakes a hung publisher
+    assert not hung, f"{hung} never got its confirm"
+    for _, outcome in threads:
+        assert not isinstance(outcome[0], BaseException), outcome
