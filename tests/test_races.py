@@ -10,6 +10,7 @@ from typing import Any
 
 import amqp
 import pytest
+from amqp import spec
 from support.broker import JOIN
 
 import drainer_amqp
@@ -85,3 +86,28 @@ def test_two_first_confirmed_publishes_on_one_channel_both_return(
     assert not hung, f"{hung} never got its confirm"
     for _, outcome in threads:
         assert not isinstance(outcome[0], BaseException), outcome
+
+
+# -- R3: a wait forgotten just as the reading thread fills it ---------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forgetting_a_wait_the_reader_just_took_is_no_key_error(
+    connect: Callable[..., drainer_amqp.Connection], mode: str, switching: None
+) -> None:
+    conn = connect(mode)
+    channel = conn.channel()
+    waiter = channel._expect(conn, spec.Basic.QosOk)
+
+    class ReaderPopsAfterLookUp(dict):  # type: ignore[type-arg]
+        def get(self, key: Any, default: Any = None) -> Any:
+            value = super().get(key, default)
+            # The reading thread dispatches the reply (py-amqp pops the entry) now.
+            reader = threading.Thread(target=self.pop, args=(key, None), name="reader")
+            reader.start()
+            reader.join(JOIN)
+            return value
+
+    channel._pending = ReaderPopsAfterLookUp(channel._pending)
+    channel._forget(conn, waiter)
+    assert spec.Basic.QosOk not in channel._pending

@@ -128,7 +128,7 @@ class Channel(pyamqp.Channel):
     def _forget(self, conn: Connection, waiter: Waiter) -> None:
         for method in waiter.methods:
             if self._pending.get(method) is waiter:
-                del self._pending[method]
+                self._pending.pop(method, None)  # the reading thread may pop it first
         conn.waiters.discard(waiter)
 
     def _await(self, waiter: Waiter, conn: Connection, timeout: float | None) -> Any:
