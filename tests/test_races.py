@@ -3,6 +3,7 @@ each concurrency test run once more with the interpreter switching threads const
 
 from __future__ import annotations
 
+import select
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from support.broker import JOIN
 
 import drainer_amqp
 from drainer_amqp.channel import Channel
+from drainer_amqp.sync import Signal
 
 MODES = ["legacy", "drainer"]
 
@@ -111,3 +113,41 @@ def test_forgetting_a_wait_the_reader_just_took_is_no_key_error(
     channel._pending = ReaderPopsAfterLookUp(channel._pending)
     channel._forget(conn, waiter)
     assert spec.Basic.QosOk not in channel._pending
+
+
+# -- R4: a set() that lands inside Signal.clear() --------------------------------------
+
+
+@pytest.mark.parametrize("lands", ["before the pipe is emptied", "after the pipe is emptied"])
+def test_a_set_during_clear_leaves_the_signal_readable(lands: str, switching: None) -> None:
+    signal = Signal()
+    pipe = signal._r
+
+    def set_from_another_thread() -> None:
+        setter = threading.Thread(target=signal.set, name="setter")
+        setter.start()
+        setter.join(JOIN)
+
+    class HookedPipe:
+        calls = 0
+
+        def recv(self, size: int) -> bytes:
+            self.calls += 1
+            if lands.startswith("before") and self.calls == 1:
+                set_from_another_thread()  # its byte is then read away by this clear()
+            try:
+                return pipe.recv(size)
+            except BlockingIOError:
+                if lands.startswith("after"):
+                    set_from_another_thread()
+                raise
+
+    try:
+        signal.set()
+        signal._r = HookedPipe()  # type: ignore[assignment]
+        signal.clear()
+        signal._r = pipe
+        assert select.select([pipe], [], [], 0)[0], "the set() was lost"
+    finally:
+        signal._r = pipe
+        signal.close()
