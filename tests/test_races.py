@@ -4,6 +4,7 @@ each concurrency test run once more with the interpreter switching threads const
 from __future__ import annotations
 
 import select
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -15,7 +16,9 @@ from amqp import spec
 from support.broker import JOIN
 
 import drainer_amqp
+from drainer_amqp import ConnectionClosedIntentionally
 from drainer_amqp.channel import Channel
+from drainer_amqp.reading import LockReader
 from drainer_amqp.sync import Signal
 
 MODES = ["legacy", "drainer"]
@@ -151,3 +154,61 @@ def test_a_set_during_clear_leaves_the_signal_readable(lands: str, switching: No
     finally:
         signal._r = pipe
         signal.close()
+
+
+# -- R1: a legacy reader that takes the lock just after close() looked -------------------
+
+
+class GatedLock:
+    """The transport lock, except that ``gated``'s first acquire waits for ``go``."""
+
+    def __init__(self, lock: Any, gated: str) -> None:
+        self.lock, self.gated = lock, gated
+        self.go, self.taken = threading.Event(), threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        mine = threading.current_thread().name == self.gated and not self.taken.is_set()
+        if mine:
+            self.go.wait(JOIN)
+        got = bool(self.lock.acquire(blocking, timeout))
+        if mine:
+            self.taken.set()
+        return got
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+
+def test_legacy_close_keeps_its_deadline_when_a_reader_takes_the_lock_just_after_it_looked(
+    connect: Callable[..., drainer_amqp.Connection],
+    switching: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    conn = connect("legacy")
+    gate = GatedLock(conn.transport_lock, "reader")
+    conn.transport_lock = gate  # type: ignore[assignment]
+    reading = LockReader.reading
+
+    def look(self: LockReader) -> bool:
+        answer = reading.fget(self)  # type: ignore[attr-defined]
+        if threading.current_thread().name == "closer":
+            gate.go.set()  # the reader takes the lock now, just after close() looked
+            assert gate.taken.wait(JOIN)
+        return bool(answer)
+
+    monkeypatch.setattr(LockReader, "reading", property(look))
+    reader, read = start(conn.drain_events, "reader")  # no timeout, no heartbeat
+    closer, _ = start(conn.close, "closer")
+    closer.join(JOIN)
+    stuck = closer.is_alive()
+    if stuck:
+        conn.transport.sock.shutdown(socket.SHUT_RDWR)  # frees the reader, then close()
+    reader.join(JOIN)
+    assert not stuck, "close() waited behind a blocked read past its deadline"
+    assert isinstance(read[0], ConnectionClosedIntentionally), read

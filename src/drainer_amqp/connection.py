@@ -383,10 +383,13 @@ class Connection(amqp.Connection):
             # A legacy reader blocked in a read holds the transport lock until the read
             # returns (up to its drain timeout, or for ever): writing Connection.Close
             # would wait for it. Only the socket's shutdown below cuts that read short.
-            if self.reason is None and self._transport.connected and not self.reader.reading:
+            # is_closing is set first: a legacy reader that is not reading yet sees it
+            # and starts no read (see LockReader.wait).
+            if self.reason is None and self._transport.connected:
+                self.is_closing = True
+            if self.is_closing and self.reason is None and not self.reader.reading:
                 closed_ok = Waiter()
                 self._closed_ok = closed_ok
-                self.is_closing = True
                 args = dumps(argsig, (reply_code, reply_text, method_sig[0], method_sig[1]))
                 try:
                     # After everything that returned before it; nothing can follow it.

@@ -58,6 +58,7 @@ class LockReader:
         while not awaitable.ready():
             if not closing:
                 conn.raise_if_ended()
+            stand_by = False
             remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
             if not lock.acquire(timeout=-1 if remaining is None else remaining):
                 raise TimeoutError()
@@ -69,7 +70,12 @@ class LockReader:
                 remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
                 conn.dispatching = threading.get_ident()
                 try:
-                    read_frame(conn, remaining)  # at least one read, even at the deadline
+                    # close() sets is_closing, then asks whether we read: one of us sees
+                    # the other. It writes Connection.Close under this lock, then ends
+                    # the connection, which fills awaitable: wait for that, not the socket.
+                    stand_by = conn.is_closing and not closing
+                    if not stand_by:
+                        read_frame(conn, remaining)  # at least one read, even at the deadline
                 finally:
                     conn.dispatching = None
             except TimeoutError:
@@ -84,6 +90,8 @@ class LockReader:
                 raise conn.error_for_caller() from exc
             finally:
                 lock.release()
+            if stand_by:
+                awaitable.wait(remaining)
             if deadline is not None and monotonic() >= deadline and not awaitable.ready():
                 raise TimeoutError()
 
