@@ -7,6 +7,7 @@ import select
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from amqp import spec
 from support.broker import JOIN
 
 import drainer_amqp
-from drainer_amqp import ConnectionClosedIntentionally
+from drainer_amqp import ConnectionClosedIntentionally, reading
 from drainer_amqp.channel import Channel
 from drainer_amqp.reading import LockReader
 from drainer_amqp.sync import Signal
@@ -212,3 +213,38 @@ def test_legacy_close_keeps_its_deadline_when_a_reader_takes_the_lock_just_after
     reader.join(JOIN)
     assert not stuck, "close() waited behind a blocked read past its deadline"
     assert isinstance(read[0], ConnectionClosedIntentionally), read
+
+
+# -- a legacy heartbeat timeout ends the connection -------------------------------------
+
+
+def test_a_legacy_heartbeat_timeout_wakes_a_blocked_reader_and_closes_the_socket(
+    connect: Callable[..., drainer_amqp.Connection],
+    switching: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    conn = connect("legacy", heartbeat=120)
+    assert conn.heartbeat
+    in_read = threading.Event()
+    read_frame = reading.read_frame
+
+    def hooked(conn: Any, timeout: float | None) -> None:
+        in_read.set()
+        read_frame(conn, timeout)
+
+    monkeypatch.setattr(reading, "read_frame", hooked)
+    reader, read = start(conn.drain_events, "reader")  # blocked until a frame comes
+    assert in_read.wait(JOIN)
+    # Two intervals without a frame from the broker; nothing due to send.
+    conn.prev_sent, conn.prev_recv = conn.bytes_sent, conn.bytes_recv
+    conn.last_heartbeat_sent = time.monotonic()
+    conn.last_heartbeat_received = time.monotonic() - 10 * conn.heartbeat
+    with pytest.raises(drainer_amqp.Transport.recoverable_connection_errors):
+        conn.heartbeat_tick()
+    reader.join(JOIN)
+    stuck = reader.is_alive()
+    if stuck:
+        conn.collect()
+    assert not stuck, "a thread blocked in drain_events() was not woken"
+    assert isinstance(read[0], drainer_amqp.Transport.recoverable_connection_errors), read
+    assert conn.transport is None or conn.transport.sock is None, "the socket is still open"

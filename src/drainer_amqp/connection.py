@@ -52,7 +52,7 @@ from typing import Any
 
 import amqp
 from amqp import spec
-from amqp.exceptions import AMQPError, RecoverableConnectionError
+from amqp.exceptions import AMQPError, ConnectionForced, RecoverableConnectionError
 from amqp.method_framing import frame_writer as amqp_frame_writer
 from amqp.serialization import dumps
 
@@ -310,12 +310,13 @@ class Connection(amqp.Connection):
             self.reason = reason
         if self.writer is not None:
             self.writer.fail(self.error_for_caller)
-        if not isinstance(reason, ConnectionClosedIntentionally):
-            if self._drainer is not None:
-                self._drainer.request_stop()  # on its way out it closes the socket
         self.waiters.end()
         self.inbox.end()
         self._unblocked.set()
+        if not isinstance(reason, ConnectionClosedIntentionally):
+            # Failed: the socket goes now, not when kombu gets round to collect() (it may
+            # just drop the connection); a thread blocked reading it wakes.
+            self.reader.stop_reading()
         return True
 
     def as_connection_error(self, error: BaseException) -> BaseException:
@@ -536,7 +537,11 @@ class Connection(amqp.Connection):
         """Legacy: py-amqp's. Drainer mode: the drainer owns heartbeats; this only
         raises the connection's failure, if any."""
         if self._drainer is None:
-            return super().heartbeat_tick(rate)
+            try:
+                return super().heartbeat_tick(rate)
+            except ConnectionForced as exc:  # heartbeats missed
+                self.end(exc)
+                raise
         if self.reason is not None and not isinstance(self.reason, ConnectionClosedIntentionally):
             raise self.error_for_caller()
 
@@ -574,6 +579,7 @@ class Connection(amqp.Connection):
             self._drainer.close()  # its thread does not exist here; its pipe does
             self._drainer = None
         self.writer = None  # its lock may be held by a parent thread that is gone
+        self._close_socket(monotonic(), shutdown=False)  # before end(), which shuts it down
         self.end(
             ConnectionLost(
                 f"connection to {self.host} was inherited by a forked process; "

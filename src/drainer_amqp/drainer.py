@@ -94,9 +94,12 @@ class Drainer:
         self._wake.set()
 
     def request_stop(self) -> None:
-        """Ask the thread to exit soon; do not wait (safe from any thread)."""
+        """Ask the thread to exit soon (it then closes the socket); do not wait (safe from
+        any thread)."""
         self._stopping = True
         self.wake()
+
+    stop_reading = request_stop
 
     def stop(self, timeout: float) -> bool:
         """Ask the thread to exit and join it for at most ``timeout`` seconds.

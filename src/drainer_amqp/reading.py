@@ -35,6 +35,11 @@ class Reader(Protocol):
         can cut short (legacy mode). close() then tears down without the handshake."""
         ...
 
+    def stop_reading(self) -> None:
+        """The connection failed: stop reading and let the socket go, without waiting for
+        a reading thread (a thread blocked in a read wakes)."""
+        ...
+
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         """Return once ``awaitable`` is ready; ``TimeoutError`` at ``deadline``. Raises
         the connection's reason if it ended (unless ``closing``: close() waits for
@@ -51,6 +56,9 @@ class LockReader:
     @property
     def reading(self) -> bool:
         return self._conn.dispatching is not None  # only this reader dispatches in legacy
+
+    def stop_reading(self) -> None:
+        self._conn._close_socket(monotonic() + CLOSE_TIMEOUT)
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         conn = self._conn
@@ -82,9 +90,6 @@ class LockReader:
                 raise TimeoutError() from None
             except Exception as exc:  # noqa: BLE001 - any read failure ends the connection
                 conn.end(conn.as_connection_error(exc))
-                # As in drainer mode: the socket goes now (kombu may just drop a failed
-                # connection and open another); a writer waiting on it wakes.
-                conn._close_socket(monotonic() + CLOSE_TIMEOUT)
                 if closing:
                     return
                 raise conn.error_for_caller() from exc
