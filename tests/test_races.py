@@ -248,3 +248,14 @@ def test_a_legacy_heartbeat_timeout_wakes_a_blocked_reader_and_closes_the_socket
     assert not stuck, "a thread blocked in drain_events() was not woken"
     assert isinstance(read[0], drainer_amqp.Transport.recoverable_connection_errors), read
     assert conn.transport is None or conn.transport.sock is None, "the socket is still open"
+
+
+# -- a channel closed by the broker: its error is handed over under its own lock ---------
+
+
+def test_each_channel_hands_over_its_close_error_under_a_lock_of_its_own(
+    connect: Callable[..., drainer_amqp.Connection],
+) -> None:
+    conn = connect("legacy")
+    first, second = conn.channel(), conn.channel()
+    assert first._close_lock is not second._close_lock

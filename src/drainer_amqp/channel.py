@@ -67,6 +67,8 @@ class Channel(pyamqp.Channel):
     def __init__(self, connection: Connection, *args: Any, **kwargs: Any) -> None:
         self.confirms = Confirms(connection.waiters)
         self._confirm_mode = False
+        # Guards _close_error: set by the reading thread, taken (once) by a using thread.
+        self._close_lock = threading.Lock()
         self._close_error: BaseException | None = None  # the broker closed this channel
         self._prepared: dict[int, Waiter] = {}  # thread id -> wait registered before writing
         # A Basic.Return read just before its message's ack (reading thread only).
@@ -150,8 +152,6 @@ class Channel(pyamqp.Channel):
         if mine and conn.reason is None:
             self._do_revive()
         raise copy.copy(error)
-
-    _close_lock = threading.Lock()  # guards _close_error hand-over (rare: one for all)
 
     def send_method(  # type: ignore[override]
         self,
@@ -300,7 +300,8 @@ class Channel(pyamqp.Channel):
         if self.is_closing or conn.is_closing:
             return
         error = error_for_code(reply_code, reply_text, (class_id, method_id), ChannelError)
-        self._close_error = error
+        with self._close_lock:
+            self._close_error = error
         for waiter in {w for w in self._pending.values() if isinstance(w, Waiter)}:
             waiter.fail(error)
         self.confirms.fail_all(error)
