@@ -79,26 +79,20 @@ class Channel(pyamqp.Channel):
         self._confirm_lock = threading.Lock()
         super().__init__(connection, *args, **kwargs)
 
-    def _live_conn(self) -> Connection | None:
-        """The connection, or None once this channel was closed.
-
-        On a channel whose connection ended, raises that reason: a publish after
-        ``close()`` must say ``ConnectionClosedIntentionally`` (so kombu does not
-        reconnect), not py-amqp's generic "connection closed"."""
-        conn = self.connection
-        if conn is None:
-            ended = self._ended_connection
-            if ended is not None and ended.reason is not None:
-                raise ended.error_for_caller()
-        return conn
-
-    def _closed_error(self) -> BaseException:
-        """A publish on a closed channel: recoverable, naming the connection the channel
-        was on (so kombu's cleanup after it leaves a newer connection alone)."""
-        error = RecoverableConnectionError("basic_publish: channel closed")
-        if self._ended_connection is not None:
-            tag(error, self._ended_connection)
-        return error
+    def _live_conn(self) -> Connection:
+        """The connection; on a closed channel, raises the reason its connection ended
+        (after ``close()``, ``ConnectionClosedIntentionally``: kombu does not reconnect),
+        or a recoverable error naming that connection (so kombu's cleanup after it
+        leaves a newer connection alone)."""
+        conn, ended = self.connection, self._ended_connection
+        if conn is not None:
+            return conn
+        if ended is not None and ended.reason is not None:
+            raise ended.error_for_caller()
+        error = RecoverableConnectionError("channel closed")
+        if ended is not None:
+            tag(error, ended)
+        raise error
 
     def collect(self) -> None:
         self._ended_connection = self.connection or self._ended_connection
@@ -164,8 +158,6 @@ class Channel(pyamqp.Channel):
         returns_tuple: bool = False,
     ) -> Any:
         conn = self._live_conn()
-        if conn is None:
-            return super().send_method(sig, format, args, content, wait, callback, returns_tuple)
         if self._close_error is not None and sig not in (spec.Channel.CloseOk, spec.Channel.Close):
             self._raise_channel_error(conn, self._close_error)
         if not wait:
@@ -188,8 +180,6 @@ class Channel(pyamqp.Channel):
         returns_tuple: bool = False,
     ) -> Any:
         conn = self._live_conn()
-        if conn is None:
-            return super().wait(method, callback, timeout, returns_tuple)
         waiter = self._prepared.pop(threading.get_ident(), None) or self._expect(conn, method)
         try:
             return self._finish_wait(waiter, conn, callback, timeout, returns_tuple)
@@ -206,9 +196,9 @@ class Channel(pyamqp.Channel):
 
     def queue_declare(self, *args: Any, **kwargs: Any) -> Any:
         # py-amqp writes Queue.Declare and only then waits for DeclareOk: register first.
-        conn = self._live_conn()
-        if conn is None or kwargs.get("nowait") or (len(args) > 5 and args[5]):
+        if kwargs.get("nowait") or (len(args) > 5 and args[5]):
             return super().queue_declare(*args, **kwargs)
+        conn = self._live_conn()
         waiter = self._expect(conn, spec.Queue.DeclareOk)
         self._prepared[threading.get_ident()] = waiter  # claimed by wait() below
         try:
@@ -315,8 +305,6 @@ class Channel(pyamqp.Channel):
     # -- publishing --------------------------------------------------------------------
     def confirm_select(self, nowait: bool = False) -> Any:
         conn = self._live_conn()
-        if conn is None:
-            return super().confirm_select(nowait)
         waiter = None if nowait else self._expect(conn, spec.Confirm.SelectOk)
         try:
             conn.send_frames(
@@ -375,8 +363,6 @@ class Channel(pyamqp.Channel):
         waiter: Waiter | None,
     ) -> int:
         conn = self._live_conn()
-        if conn is None:
-            raise self._closed_error()
         if self._close_error is not None:
             self._raise_channel_error(conn, self._close_error)
         conn.wait_unblocked(timeout)
@@ -423,8 +409,6 @@ class Channel(pyamqp.Channel):
         """As py-amqp's: publish, then wait for the broker's ack (``MessageNacked`` on a
         nack) for at most ``confirm_timeout or timeout`` seconds."""
         conn = self._live_conn()
-        if conn is None:
-            raise self._closed_error()
         if not self._confirm_selected:
             self._select_confirms()
         waiter = conn.waiters.add(Waiter())

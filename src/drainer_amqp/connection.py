@@ -296,17 +296,17 @@ class Connection(amqp.Connection):
         self.raise_if_ended()
 
     # -- ending: one path for every reason -------------------------------------------------
-    def end(self, reason: BaseException) -> bool:
+    def end(self, reason: BaseException) -> None:
         """Record why the connection ended and wake every waiting thread.
 
         The first reason wins: a failure stays the reason even when ``close()`` or
         ``collect()`` follow it (kombu calls both on a failed connection, in ``ensure()``
         and in a failover's ``switch()``, and other threads must still see a recoverable
-        error). Returns whether it recorded ``reason``.
+        error).
         """
         with self._state_lock:
             if self.reason is not None:
-                return False
+                return
             self.reason = reason
         if self.writer is not None:
             self.writer.fail(self.error_for_caller)
@@ -317,7 +317,6 @@ class Connection(amqp.Connection):
             # Failed: the socket goes now, not when kombu gets round to collect() (it may
             # just drop the connection); a thread blocked reading it wakes.
             self.reader.stop_reading()
-        return True
 
     def as_connection_error(self, error: BaseException) -> BaseException:
         if isinstance(error, (AMQPError, ConnectionClosedIntentionally)):

@@ -63,8 +63,7 @@ class Transport(pyamqp.Transport):
         client = self.client
         if client is None:
             # Another thread's collect() detached this transport from its kombu
-            # connection while this one was reconnecting: recoverable, so kombu's retry
-            # loop tries again with a fresh transport (stock raised AttributeError).
+            # connection while this one reconnected: kombu's retry loop tries again.
             raise RecoverableConnectionError("reconnect raced a collect(); retry")
         with _live_lock:
             lock = _reconnect_locks.setdefault(client, threading.Lock())
@@ -92,9 +91,8 @@ class Transport(pyamqp.Transport):
     def close_connection(self, connection: DrainerConnection) -> None:
         if in_failover_after_another(connection):
             return  # another thread's live connection: not this failover's to close
-        # Unlike kombu's, this keeps connection.client: other threads' consumers and
-        # producers still on it find their kombu connection through it
-        # (``Consumer.__exit__`` after a failover raised AttributeError).
+        # Keeps connection.client: other threads' consumers and producers on it find
+        # their kombu connection through it.
         connection.close()
 
     def _collect(self, connection: DrainerConnection | None) -> None:
