@@ -56,13 +56,13 @@ from amqp.exceptions import AMQPError, ConnectionForced, RecoverableConnectionEr
 from amqp.method_framing import frame_writer as amqp_frame_writer
 from amqp.serialization import dumps
 
-from .channel import CLOSE_TIMEOUT, Channel
+from .channel import Channel
 from .drainer import Drainer
 from .encoding import PublishEncoder
 from .errors import ConnectionBlocked, ConnectionClosedIntentionally, ConnectionLost, tag
 from .framing import Frame
 from .reading import LockReader, Reader
-from .sync import FairRLock, Waiter
+from .sync import Waiter
 from .waits import Inbox, Waiters
 from .writer import Writer
 
@@ -70,8 +70,8 @@ __all__ = ["CLOSE_TIMEOUT", "Connection"]
 
 logger = logging.getLogger(__name__)
 
-# CLOSE_TIMEOUT (from .channel): one deadline for all of close(): CloseOk, the drainer's
-# join and the lock.
+#: One deadline for all of close(): CloseOk, the drainer's join and the socket's lock.
+CLOSE_TIMEOUT = 5.0
 #: How long a publish waits while the broker has blocked the connection.
 BLOCKED_TIMEOUT = 10.0
 #: How many callbacks may wait for ``drain_events()`` before the drainer stops reading
@@ -126,13 +126,13 @@ class Connection(amqp.Connection):
         self.reason: BaseException | None = None  # why it ended; written once by end()
         self._told = False  # a caller was raised the reason (see connected); set once
         self.waiters = Waiters()
-        self.inbox = Inbox(inbox_limit if dedicated_drainer else 0, self._on_inbox_room)
-        self.reader: Reader = LockReader(self)
+        # The mode: the one place that asks dedicated_drainer.
+        self.reader: Reader = Drainer(self, inbox_limit) if dedicated_drainer else LockReader(self)
+        self.inbox = Inbox(self.reader.inbox_limit, self.reader.wake)
         self.writer: Writer | None = None
         # Encodes Basic.Publish as py-amqp's frame writer would, faster; None while not
         # connected or when the caller gave a frame_writer of its own.
         self.publish_encoder: PublishEncoder | None = None
-        self._drainer: Drainer | None = None
         self._closed_ok: Waiter | None = None  # set by close() while it waits for CloseOk
         self._lock_held = 0.0  # seconds the drainer held the transport lock (stats)
         # The thread reading and dispatching frames now, under the transport lock (the
@@ -148,15 +148,17 @@ class Connection(amqp.Connection):
         _connections.add(self)
 
     def _init_locks(self) -> None:
-        # Guards py-amqp's reading state (frame assembly, dispatch): the drainer holds it
-        # per batch of frames; a legacy reader across its blocking read, so legacy
-        # waiters must get it in turn.
-        self.transport_lock: threading.RLock | FairRLock = (
-            threading.RLock() if self.dedicated_drainer else FairRLock()
-        )
-        self._state_lock = threading.Lock()  # guards reason (end), _closed
-        self._channel_id_lock = threading.Lock()  # guards py-amqp's _used_channel_ids
-        self._encode_lock = threading.Lock()  # guards the frame encoder and its collector
+        # transport_lock guards py-amqp's reading state (frame assembly, dispatch): the
+        # drainer holds it per batch of frames, a legacy reader across its blocking read.
+        # io_lock is held around each socket write (see Reader.new_locks).
+        self.transport_lock, self._io_lock = self.reader.new_locks()
+        # Guards the first write of reason (end()); taken by any thread that ends it.
+        self._state_lock = threading.Lock()
+        # Guards py-amqp's _used_channel_ids; taken by threads opening a channel.
+        self._channel_id_lock = threading.Lock()
+        # Guards the frame encoder and its collector; taken by every sending thread for
+        # the time it takes to encode one method.
+        self._encode_lock = threading.Lock()
         self._close_lock = threading.Lock()  # one close() at a time
         self._unblocked = threading.Event()  # clear while the broker blocks publishes
         self._unblocked.set()
@@ -168,8 +170,7 @@ class Connection(amqp.Connection):
         writer (or the caller's own ``frame_writer``) and sent whole by the Writer."""
         self._collector = _FrameCollector()
         self._encode = self._frame_writer_cls(connection, self._collector)
-        io_lock = threading.Lock() if self.dedicated_drainer else self.transport_lock
-        self.writer = Writer(transport.sock, io_lock, self._write_failed)
+        self.writer = Writer(transport.sock, self._io_lock, self._write_failed)
         return self._write_frame
 
     def _write_frame(
@@ -226,17 +227,13 @@ class Connection(amqp.Connection):
             raise
         if self._frame_writer_cls is amqp_frame_writer and self.connected:
             self.publish_encoder = PublishEncoder(self.frame_max)  # frame_max as tuned
-        if self.dedicated_drainer and self._drainer is None and self.connected:
-            drainer = Drainer(
-                self,
+        if self.connected:
+            self.reader.start(
                 self._transport.sock,
                 name=f"drainer-amqp-{self.host}",
                 frame_max=self.frame_max,
                 heartbeat=self.heartbeat or 0,
             )
-            self._drainer = drainer
-            self.reader = drainer
-            drainer.start()
         return result
 
     def _get_free_channel_id(self) -> int:
@@ -332,7 +329,7 @@ class Connection(amqp.Connection):
         self.end(self.as_connection_error(error))
         return self.error_for_caller()
 
-    def _close_socket(self, deadline: float, shutdown: bool = True) -> None:
+    def _close_socket(self, deadline: float | None = None, shutdown: bool = True) -> None:
         """Shut the socket down (waking any blocked reader or writer), then close it.
 
         No TLS ``unwrap``: it would wait for the peer. Safe to call more than once.
@@ -349,8 +346,9 @@ class Connection(amqp.Connection):
                 pass
         # A legacy reader or a writer may be inside a socket call; after the shutdown it
         # returns at once, and then the descriptor can go.
-        io_lock = self.writer.io_lock if self.writer is not None else self.transport_lock
-        locked = io_lock.acquire(timeout=max(deadline - monotonic(), 0.0))
+        io_lock = self._io_lock
+        timeout = CLOSE_TIMEOUT if deadline is None else max(deadline - monotonic(), 0.0)
+        locked = io_lock.acquire(timeout=timeout)
         try:
             transport.sock = None  # as py-amqp's close(): its repr() fails on a closed socket
             sock.close()
@@ -420,11 +418,8 @@ class Connection(amqp.Connection):
 
     def _release(self, deadline: float, shutdown: bool = True) -> None:
         """Stop the reader, close the socket and channels; once per connection."""
-        drainer = self._drainer
-        if drainer is not None:
-            drainer.request_stop()
-            if not drainer.stop(max(deadline - monotonic(), 0.0)):
-                logger.warning("drainer thread %s did not stop in time", drainer.thread.name)
+        if not self.reader.stop(max(deadline - monotonic(), 0.0)):
+            logger.warning("the drainer thread of %r did not stop in time", self)
         self._close_socket(deadline, shutdown)
         self.inbox.close()
         _connections.discard(self)
@@ -436,8 +431,7 @@ class Connection(amqp.Connection):
     # -- the drainer's sink ----------------------------------------------------------------
     @property
     def io_lock(self) -> Any:
-        assert self.writer is not None
-        return self.writer.io_lock
+        return self._io_lock
 
     def dispatch_frames(self, frames: list[Frame]) -> None:
         on_frame = self.on_inbound_frame
@@ -460,17 +454,13 @@ class Connection(amqp.Connection):
     def reading_paused(self) -> bool:
         return self.inbox.full
 
-    def _on_inbox_room(self) -> None:
-        if self._drainer is not None:
-            self._drainer.wake()
-
     def drainer_exited(self, error: BaseException | None) -> None:
         if error is not None:
             self.end(self.as_connection_error(error))
         if not isinstance(self.reason, ConnectionClosedIntentionally):
             # Failed: release the socket now, not when kombu gets round to collect()
             # (it may just drop the connection).
-            self._close_socket(monotonic() + CLOSE_TIMEOUT)
+            self._close_socket()
         if self._closed_ok is not None:
             self._closed_ok.fail()  # a close() in progress need not wait any longer
 
@@ -535,7 +525,7 @@ class Connection(amqp.Connection):
     def heartbeat_tick(self, rate: int = 2) -> None:
         """Legacy: py-amqp's. Drainer mode: the drainer owns heartbeats; this only
         raises the connection's failure, if any."""
-        if self._drainer is None:
+        if not self.reader.owns_socket:
             try:
                 return super().heartbeat_tick(rate)
             except ConnectionForced as exc:  # heartbeats missed
@@ -547,19 +537,15 @@ class Connection(amqp.Connection):
     # -- introspection ---------------------------------------------------------------------
     def drainer_stats(self) -> dict[str, float | int | bool]:
         """Plain numbers to log: what the drainer read and sent, and who is waiting."""
-        drainer = self._drainer
-        stats: dict[str, float | int | bool] = {
+        return {
             "dedicated_drainer": self.dedicated_drainer,
-            "running": bool(drainer and drainer.is_alive()),
             "lock_held_seconds": self._lock_held,
             "waiting_threads": len(self.waiters),
             "pending_callbacks": len(self.inbox),
             "reading_paused": self.inbox.full,
             "blocked": not self._unblocked.is_set(),
+            **self.reader.stats(),
         }
-        if drainer is not None:
-            stats.update(drainer.stats.as_dict())
-        return stats
 
     def __repr__(self) -> str:
         mode = "drainer" if self.dedicated_drainer else "legacy"
@@ -574,9 +560,7 @@ class Connection(amqp.Connection):
         self._init_locks()
         self.waiters.reset()
         self.inbox.reset()
-        if self._drainer is not None:
-            self._drainer.close()  # its thread does not exist here; its pipe does
-            self._drainer = None
+        self.reader.close()  # a drainer's thread does not exist here; its pipe does
         self.writer = None  # its lock may be held by a parent thread that is gone
         self._close_socket(monotonic(), shutdown=False)  # before end(), which shuts it down
         self.end(

@@ -14,13 +14,13 @@ shared by both modes.
 
 from __future__ import annotations
 
+import socket
 import threading
 from time import monotonic
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .channel import CLOSE_TIMEOUT
 from .framing import HEADER_SIZE, check_header
-from .sync import Awaitable
+from .sync import Awaitable, FairRLock
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -29,15 +29,29 @@ __all__ = ["LockReader", "Reader"]
 
 
 class Reader(Protocol):
+    """A connection's mode: who reads its socket. ``Connection`` picks one when it is
+    made and asks nothing else about the mode."""
+
+    #: A thread of its own reads the socket and sends heartbeats (kombu's Hub then
+    #: watches the inbox's descriptor, and ``heartbeat_tick`` only reports a failure).
+    owns_socket: bool
+    #: How many callbacks may wait for ``drain_events()`` before reading pauses (0: no
+    #: limit).
+    inbox_limit: int
+
     @property
     def reading(self) -> bool:
         """A caller's thread is blocked in a socket read that only the socket's shutdown
         can cut short (legacy mode). close() then tears down without the handshake."""
         ...
 
-    def stop_reading(self) -> None:
-        """The connection failed: stop reading and let the socket go, without waiting for
-        a reading thread (a thread blocked in a read wakes)."""
+    def new_locks(self) -> tuple[Any, Any]:
+        """A new transport lock (guards py-amqp's reading state) and the writer's
+        ``io_lock`` (held around each write)."""
+        ...
+
+    def start(self, sock: socket.socket, *, name: str, frame_max: int, heartbeat: float) -> None:
+        """The handshake is done: reading may begin."""
         ...
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
@@ -46,9 +60,31 @@ class Reader(Protocol):
         CloseOk after the end)."""
         ...
 
+    def wake(self) -> None:
+        """The inbox has room again."""
+        ...
+
+    def stop_reading(self) -> None:
+        """The connection failed: stop reading and let the socket go, without waiting for
+        a reading thread (a thread blocked in a read wakes)."""
+        ...
+
+    def stop(self, timeout: float) -> bool:
+        """Stop reading; whether that happened within ``timeout`` seconds."""
+        ...
+
+    def close(self) -> None:
+        """In a forked child: release what the parent's reader left here."""
+        ...
+
+    def stats(self) -> dict[str, float | int | bool]: ...
+
 
 class LockReader:
     """Legacy mode: the thread that holds the transport lock reads."""
+
+    owns_socket = False
+    inbox_limit = 0
 
     def __init__(self, connection: Connection) -> None:
         self._conn = connection
@@ -57,8 +93,29 @@ class LockReader:
     def reading(self) -> bool:
         return self._conn.dispatching is not None  # only this reader dispatches in legacy
 
+    def new_locks(self) -> tuple[Any, Any]:
+        # The transport lock, handed over in turn, also guards writes: a reader changes
+        # the socket's timeout, so nobody may write meanwhile.
+        lock = FairRLock()
+        return lock, lock
+
+    def start(self, sock: socket.socket, *, name: str, frame_max: int, heartbeat: float) -> None:
+        pass  # callers' threads read
+
+    def wake(self) -> None:
+        pass
+
     def stop_reading(self) -> None:
-        self._conn._close_socket(monotonic() + CLOSE_TIMEOUT)
+        self._conn._close_socket()
+
+    def stop(self, timeout: float) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float | int | bool]:
+        return {"running": False}
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         conn = self._conn

@@ -109,17 +109,17 @@ class Transport(pyamqp.Transport):
         connection.collect()
 
     def register_with_event_loop(self, connection: DrainerConnection, loop: Any) -> None:
-        if not connection.dedicated_drainer:
+        if not connection.reader.owns_socket:
             return super().register_with_event_loop(connection, loop)
         loop.add_reader(connection.inbox_fileno(), self.on_readable, connection, loop)
 
     def unregister_from_event_loop(self, connection: DrainerConnection, loop: Any) -> None:
-        if connection.dedicated_drainer and connection.inbox.watched:
+        if connection.reader.owns_socket and connection.inbox.watched:
             loop.remove_reader(connection.inbox_fileno())
         return super().unregister_from_event_loop(connection, loop)
 
     def on_readable(self, connection: DrainerConnection, loop: Any) -> None:
-        if not connection.dedicated_drainer:
+        if not connection.reader.owns_socket:
             return super().on_readable(connection, loop)
         connection.run_pending_callbacks()
 
