@@ -1,20 +1,11 @@
 """``Channel``: kombu's py-amqp channel, with waits served by the connection's reader.
 
-Threading contract: a thread that needs a reply (a synchronous method, a publisher
-confirm) registers its :class:`~drainer_amqp.sync.Waiter` *before* it writes the request
-(py-amqp issue 90), then waits through the connection's reader: the drainer fills it, or
-in legacy mode the thread reads the socket itself until some reader has. Confirms are
-matched by delivery tag, so several threads may wait for confirms on one channel; other
-synchronous methods on one channel must not be called by two threads at once.
-
-Methods whose listeners run user code (deliveries, returns, broker cancels, ack events)
-are queued in the connection's inbox for the threads in ``drain_events()``. A channel
-closed by the broker is recorded and raised in the thread that next uses the channel,
-which reopens it.
-
-The connection interface used here: ``waiters``, ``inbox``, ``reader``,
-``send_frames``, ``publish_encoder``, ``send_encoded``, ``wait_unblocked``,
-``raise_if_ended``, ``error_for_caller``, ``reason``.
+A thread that needs a reply (a synchronous method, a confirm) registers its
+:class:`~drainer_amqp.sync.Waiter` *before* it writes the request (py-amqp issue 90),
+then waits through the connection's reader. Methods whose listeners run user code are
+queued in the connection's inbox for ``drain_events()``. A channel closed by the broker
+is recorded, and raised (and reopened) in the thread that next uses it. The threading
+contract: docs/threading.md.
 """
 
 from __future__ import annotations

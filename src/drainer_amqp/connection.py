@@ -1,41 +1,15 @@
 """``Connection``: py-amqp's, made safe to share between threads.
 
-Two modes, chosen per connection with ``dedicated_drainer``; they differ only in who
-reads the socket (:mod:`.reading`):
+The mode is the connection's :class:`~drainer_amqp.reading.Reader`, chosen with
+``dedicated_drainer``: legacy (``False``, the default; callers' threads read the socket
+in turn, heartbeats are the caller's, as with stock py-amqp) or a
+:class:`~drainer_amqp.drainer.Drainer` thread that reads and sends heartbeats. Shared by
+both: replies and confirms are registered before the request is written (:mod:`.waits`),
+writes go through one group-committing :class:`~.writer.Writer`, user callbacks wait in
+an :class:`~.waits.Inbox` for ``drain_events()``, and :meth:`Connection.end` is the one
+end: it records why, wakes every waiter, and (on a failure) lets the socket go.
 
-Legacy (``False``, the default)
-    py-amqp's behaviour made thread-safe: a thread that waits reads the socket itself
-    while it holds the transport lock, so other threads' writes wait behind a blocking
-    read. Heartbeats are the caller's job (``heartbeat_tick``), as with stock py-amqp.
-
-Drainer (``True``)
-    After the handshake a :class:`~drainer_amqp.drainer.Drainer` thread owns the
-    socket's reading side and sends heartbeats; callers only sleep until it fills their
-    wait.
-
-Shared by both modes: replies and confirms are registered before the request is
-written (:mod:`.waits`), writes go through one group-committing :class:`~.writer.Writer`
-(a call returns once its frames are in the socket), user callbacks are queued in an
-:class:`~.waits.Inbox` that ``drain_events()`` runs, and one :meth:`Connection.end`
-records why the connection ended and wakes every waiter.
-
-Threading contract (both modes)
-    * Publishing and synchronous methods may be called from any thread, each thread
-      on its own channel. Publisher confirms are matched by delivery tag, so several
-      threads may wait for confirms on one shared channel; other synchronous methods
-      on one channel must not be called by two threads at once (AMQP replies carry
-      no correlation id).
-    * User callbacks (deliveries, returns, broker cancels, ack events, blocked and
-      unblocked notices) run in a thread that called ``drain_events()``, one at a time,
-      in arrival order; never in the drainer. ``basic_cancel`` runs the cancelled
-      consumer's already-queued deliveries in the cancelling thread before it returns.
-    * ``close()`` is idempotent, safe from any thread, bounded by one deadline
-      (``CLOSE_TIMEOUT``), and wakes every waiter with
-      :class:`ConnectionClosedIntentionally`. ``collect()`` tears down without the
-      handshake; on a connection that already failed, it keeps the failure.
-    * A failed link (reset, EOF, heartbeat timeout, malformed frame, broker close,
-      fork) wakes every waiting thread at once with the same error, and every later
-      call raises it immediately.
+The threading contract: docs/threading.md.
 """
 
 from __future__ import annotations
@@ -148,18 +122,13 @@ class Connection(amqp.Connection):
         _connections.add(self)
 
     def _init_locks(self) -> None:
-        # transport_lock guards py-amqp's reading state (frame assembly, dispatch): the
-        # drainer holds it per batch of frames, a legacy reader across its blocking read.
-        # io_lock is held around each socket write (see Reader.new_locks).
-        self.transport_lock, self._io_lock = self.reader.new_locks()
-        # Guards the first write of reason (end()); taken by any thread that ends it.
-        self._state_lock = threading.Lock()
-        # Guards py-amqp's _used_channel_ids; taken by threads opening a channel.
-        self._channel_id_lock = threading.Lock()
-        # Guards the frame encoder and its collector; taken by every sending thread for
-        # the time it takes to encode one method.
-        self._encode_lock = threading.Lock()
-        self._close_lock = threading.Lock()  # one close() at a time
+        # transport_lock guards py-amqp's reading state (held by whoever dispatches);
+        # io_lock is held around each socket write. See the readers' new_locks().
+        self.transport_lock, self.io_lock = self.reader.new_locks()
+        self._state_lock = threading.Lock()  # guards reason: any thread, in end()
+        self._channel_id_lock = threading.Lock()  # guards _used_channel_ids: channel openers
+        self._encode_lock = threading.Lock()  # guards the encoder: each sender, per method
+        self._close_lock = threading.Lock()  # one close() at a time: closing threads
         self._unblocked = threading.Event()  # clear while the broker blocks publishes
         self._unblocked.set()
         self._blocked_reason = ""
@@ -170,7 +139,7 @@ class Connection(amqp.Connection):
         writer (or the caller's own ``frame_writer``) and sent whole by the Writer."""
         self._collector = _FrameCollector()
         self._encode = self._frame_writer_cls(connection, self._collector)
-        self.writer = Writer(transport.sock, self._io_lock, self._write_failed)
+        self.writer = Writer(transport.sock, self.io_lock, self._write_failed)
         return self._write_frame
 
     def _write_frame(
@@ -330,10 +299,8 @@ class Connection(amqp.Connection):
         return self.error_for_caller()
 
     def _close_socket(self, deadline: float | None = None, shutdown: bool = True) -> None:
-        """Shut the socket down (waking any blocked reader or writer), then close it.
-
-        No TLS ``unwrap``: it would wait for the peer. Safe to call more than once.
-        """
+        """Shut the socket down (waking a blocked reader or writer), then close it; no
+        TLS ``unwrap`` (it would wait for the peer). Safe to call more than once."""
         transport = self._transport
         sock = getattr(transport, "sock", None)
         if transport is None or sock is None:
@@ -346,15 +313,14 @@ class Connection(amqp.Connection):
                 pass
         # A legacy reader or a writer may be inside a socket call; after the shutdown it
         # returns at once, and then the descriptor can go.
-        io_lock = self._io_lock
         timeout = CLOSE_TIMEOUT if deadline is None else max(deadline - monotonic(), 0.0)
-        locked = io_lock.acquire(timeout=timeout)
+        locked = self.io_lock.acquire(timeout=timeout)
         try:
             transport.sock = None  # as py-amqp's close(): its repr() fails on a closed socket
             sock.close()
         finally:
             if locked:
-                io_lock.release()
+                self.io_lock.release()
 
     def close(  # type: ignore[override]
         self,
@@ -379,10 +345,8 @@ class Connection(amqp.Connection):
             if self._transport is None:
                 return  # released already
             # A legacy reader blocked in a read holds the transport lock until the read
-            # returns (up to its drain timeout, or for ever): writing Connection.Close
-            # would wait for it. Only the socket's shutdown below cuts that read short.
-            # is_closing is set first: a legacy reader that is not reading yet sees it
-            # and starts no read (see LockReader.wait).
+            # returns (maybe never): Connection.Close would wait for it; the shutdown in
+            # _release cuts it short. Set first, is_closing keeps others from reading.
             if self.reason is None and self._transport.connected:
                 self.is_closing = True
             if self.is_closing and self.reason is None and not self.reader.reading:
@@ -402,8 +366,7 @@ class Connection(amqp.Connection):
             self._close_lock.release()
 
     def _on_close_ok(self) -> None:
-        # CloseOk from the broker (or ours sent after the broker's Close): the socket is
-        # torn down by close(), or by whoever ends the connection, not by the reader.
+        # CloseOk (the broker's, or ours to its Close): close() or end() tears down.
         if self._closed_ok is not None:
             self._closed_ok(spec.Connection.CloseOk)
 
@@ -429,10 +392,6 @@ class Connection(amqp.Connection):
         self._transport = self.connection = self.channels = None  # type: ignore[assignment]
 
     # -- the drainer's sink ----------------------------------------------------------------
-    @property
-    def io_lock(self) -> Any:
-        return self._io_lock
-
     def dispatch_frames(self, frames: list[Frame]) -> None:
         on_frame = self.on_inbound_frame
         with self.transport_lock:

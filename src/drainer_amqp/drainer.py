@@ -1,22 +1,16 @@
-"""The drainer: one background thread that owns the reading side of a socket.
+"""The drainer: drainer mode's reader, one thread that owns the reading side of a socket.
 
-Threading contract
-------------------
-* Exactly one ``Drainer`` thread reads a connection's socket; no other thread does.
-* It sleeps in ``select`` on the socket and a wake-up socketpair, reads what is
-  there without blocking, and assembles frames itself (:mod:`.framing`). Only
-  complete frames are handed to ``sink.dispatch_frames``, which takes the transport
-  lock for the time it takes to dispatch them; no read ever happens under that lock.
-  (TLS: an ``SSLSocket`` may not be read and written at once, so a TLS read is a
-  *non-blocking* read under the writer's ``io_lock``.)
-* It sends a heartbeat (py-amqp's ``send_heartbeat``) when nothing was written for
-  half the interval, and fails the connection when the broker was silent for two.
-* It never runs user code: the sink queues deliveries and user callbacks for the
-  threads that call ``drain_events()``. While that queue is full
-  (``sink.reading_paused()``) it stops reading, so TCP back-pressure reaches the
-  broker; the queue's owner calls :meth:`Drainer.wake` when there is room again.
-* Its owner (the ``Connection``) stops it with :meth:`Drainer.stop`, which wakes the
-  ``select`` at once; the thread then exits and reports to ``sink.drainer_exited``.
+* It sleeps in ``select`` on the socket and a wake-up socketpair, reads what is there
+  without blocking, and assembles frames itself (:mod:`.framing`). Complete frames go to
+  ``sink.dispatch_frames``, which holds the transport lock while it dispatches them; no
+  read happens under that lock. (TLS: an ``SSLSocket`` may not be read and written at
+  once, so a TLS read is a non-blocking read under the writer's ``io_lock``.)
+* It sends a heartbeat when nothing was written for half the interval, and fails the
+  connection when the broker was silent for two.
+* It never runs user code. While the inbox is full (``sink.reading_paused()``) it stops
+  reading, so TCP back-pressure reaches the broker; :meth:`Drainer.wake` resumes it.
+* :meth:`Drainer.stop` wakes the ``select`` at once; the thread exits and reports to
+  ``sink.drainer_exited``.
 """
 
 from __future__ import annotations
@@ -75,8 +69,7 @@ class Drainer:
     ``drain_events()`` before it pauses reading."""
 
     owns_socket = True
-    #: The Reader seam: no caller's thread ever reads, so none can hold up a close().
-    reading = False
+    reading = False  # no caller's thread ever reads, so none can hold up a close()
 
     def __init__(self, sink: DrainerSink, inbox_limit: int) -> None:
         self._sink = sink

@@ -1,15 +1,10 @@
-"""Who reads the socket: the one seam between the two modes.
+"""Who reads the socket: the mode of a connection, its one seam between the two.
 
 A thread that needs something from the broker (a reply, a confirm, a queued callback)
 registers an :class:`~drainer_amqp.sync.Awaitable` and calls ``reader.wait(it,
-deadline)``. Everything else (waits, confirms, the inbox, the end of the connection) is
-shared by both modes.
-
-* Drainer mode: :class:`~drainer_amqp.drainer.Drainer` reads in its own thread; ``wait``
-  only sleeps.
-* Legacy mode: :class:`LockReader`. The waiting thread reads frames itself while it holds
-  the transport lock, until its awaitable is ready, as stock py-amqp does. Whoever reads
-  a frame dispatches it, so a thread may fill another thread's wait.
+deadline)``. Legacy mode (:class:`LockReader`): the waiting thread reads frames itself,
+under the transport lock, until its awaitable is ready, as stock py-amqp does; whoever
+reads a frame dispatches it. Drainer mode: :class:`~drainer_amqp.drainer.Drainer`.
 """
 
 from __future__ import annotations
@@ -32,50 +27,36 @@ class Reader(Protocol):
     """A connection's mode: who reads its socket. ``Connection`` picks one when it is
     made and asks nothing else about the mode."""
 
-    #: A thread of its own reads the socket and sends heartbeats (kombu's Hub then
-    #: watches the inbox's descriptor, and ``heartbeat_tick`` only reports a failure).
+    #: A thread of its own reads and sends heartbeats (kombu's Hub watches the inbox).
     owns_socket: bool
-    #: How many callbacks may wait for ``drain_events()`` before reading pauses (0: no
-    #: limit).
-    inbox_limit: int
+    inbox_limit: int  #: callbacks queued for drain_events() before reading pauses (0: none)
 
     @property
     def reading(self) -> bool:
-        """A caller's thread is blocked in a socket read that only the socket's shutdown
-        can cut short (legacy mode). close() then tears down without the handshake."""
-        ...
+        """A caller's thread is in a read only the socket's shutdown cuts short (legacy)."""
 
     def new_locks(self) -> tuple[Any, Any]:
-        """A new transport lock (guards py-amqp's reading state) and the writer's
-        ``io_lock`` (held around each write)."""
-        ...
+        """New locks: the transport lock (py-amqp's reading state), the writer's io_lock."""
 
     def start(self, sock: socket.socket, *, name: str, frame_max: int, heartbeat: float) -> None:
         """The handshake is done: reading may begin."""
-        ...
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         """Return once ``awaitable`` is ready; ``TimeoutError`` at ``deadline``. Raises
         the connection's reason if it ended (unless ``closing``: close() waits for
         CloseOk after the end)."""
-        ...
 
     def wake(self) -> None:
         """The inbox has room again."""
-        ...
 
     def stop_reading(self) -> None:
-        """The connection failed: stop reading and let the socket go, without waiting for
-        a reading thread (a thread blocked in a read wakes)."""
-        ...
+        """The connection failed: let the socket go now (a thread reading it wakes)."""
 
     def stop(self, timeout: float) -> bool:
         """Stop reading; whether that happened within ``timeout`` seconds."""
-        ...
 
     def close(self) -> None:
         """In a forked child: release what the parent's reader left here."""
-        ...
 
     def stats(self) -> dict[str, float | int | bool]: ...
 
