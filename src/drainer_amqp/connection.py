@@ -262,8 +262,11 @@ class Connection(amqp.Connection):
         self.raise_if_ended()
 
     # -- ending: one path for every reason -------------------------------------------------
-    def end(self, reason: BaseException) -> None:
-        """Record why the connection ended and wake every waiting thread.
+    def end(self, reason: BaseException, release_by: float | None = None) -> None:
+        """The one shutdown, for every cause: a read, write or heartbeat failure, the
+        broker's close, ``close()``, ``collect()``, a fork, a refused login. Records
+        ``reason``, fails the writer, wakes every waiter; on a failure the reader stops
+        and the socket goes; ``release_by``: reader, socket, channels released by then.
 
         The first reason wins: a failure stays the reason even when ``close()`` or
         ``collect()`` follow it (kombu calls both on a failed connection, in ``ensure()``
@@ -271,18 +274,21 @@ class Connection(amqp.Connection):
         error).
         """
         with self._state_lock:
-            if self.reason is not None:
-                return
-            self.reason = reason
-        if self.writer is not None:
-            self.writer.fail(self.error_for_caller)
-        self.waiters.end()
-        self.inbox.end()
-        self._unblocked.set()
-        if not isinstance(reason, ConnectionClosedIntentionally):
-            # Failed: the socket goes now, not when kombu gets round to collect() (it may
-            # just drop the connection); a thread blocked reading it wakes.
-            self.reader.stop_reading()
+            first = self.reason is None
+            if first:
+                self.reason = reason
+        if first:
+            if self.writer is not None:
+                self.writer.fail(self.error_for_caller)
+            self.waiters.end()
+            self.inbox.end()
+            self._unblocked.set()
+            if not isinstance(reason, ConnectionClosedIntentionally):
+                # Now, not when kombu gets round to collect() (it may just drop the
+                # connection): a thread blocked reading the socket wakes.
+                self.reader.stop_reading()
+        if release_by is not None:
+            self._release(release_by)
 
     def as_connection_error(self, error: BaseException) -> BaseException:
         if isinstance(error, (AMQPError, ConnectionClosedIntentionally)):
@@ -346,7 +352,7 @@ class Connection(amqp.Connection):
                 return  # released already
             # A legacy reader blocked in a read holds the transport lock until the read
             # returns (maybe never): Connection.Close would wait for it; the shutdown in
-            # _release cuts it short. Set first, is_closing keeps others from reading.
+            # end() cuts it short. Set first, is_closing keeps the others from reading.
             if self.reason is None and self._transport.connected:
                 self.is_closing = True
             if self.is_closing and self.reason is None and not self.reader.reading:
@@ -357,11 +363,11 @@ class Connection(amqp.Connection):
                     # After everything that returned before it; nothing can follow it.
                     self.send_frames(0, spec.Connection.Close, args, None, last=lambda: intentional)
                     self.end(intentional)
-                    self.reader.wait(closed_ok, deadline, closing=True)
+                    # A tenth of the deadline is left to stop the reader, close the socket.
+                    self.reader.wait(closed_ok, deadline - CLOSE_TIMEOUT / 10, closing=True)
                 except (OSError, AMQPError, TimeoutError, ConnectionClosedIntentionally):
                     pass  # the link is going away either way
-            self.end(intentional)
-            self._release(deadline)
+            self.end(intentional, deadline)
         finally:
             self._close_lock.release()
 
@@ -376,14 +382,13 @@ class Connection(amqp.Connection):
         On a healthy connection every waiter wakes with
         :class:`ConnectionClosedIntentionally`; on one that already failed, the failure
         stays the reason, so kombu's retry logic keeps retrying."""
-        self.end(ConnectionClosedIntentionally("connection collected"))
-        self._release(monotonic() + CLOSE_TIMEOUT)
+        self.end(ConnectionClosedIntentionally("connection collected"), monotonic() + CLOSE_TIMEOUT)
 
-    def _release(self, deadline: float, shutdown: bool = True) -> None:
+    def _release(self, deadline: float) -> None:
         """Stop the reader, close the socket and channels; once per connection."""
         if not self.reader.stop(max(deadline - monotonic(), 0.0)):
             logger.warning("the drainer thread of %r did not stop in time", self)
-        self._close_socket(deadline, shutdown)
+        self._close_socket(deadline)
         self.inbox.close()
         _connections.discard(self)
         for channel in list((self.channels or {}).values()):
@@ -522,13 +527,8 @@ class Connection(amqp.Connection):
         self.reader.close()  # a drainer's thread does not exist here; its pipe does
         self.writer = None  # its lock may be held by a parent thread that is gone
         self._close_socket(monotonic(), shutdown=False)  # before end(), which shuts it down
-        self.end(
-            ConnectionLost(
-                f"connection to {self.host} was inherited by a forked process; "
-                "reconnect in the child"
-            )
-        )
-        self._release(monotonic(), shutdown=False)
+        inherited = f"connection to {self.host} was inherited by a forked process; reconnect"
+        self.end(ConnectionLost(f"{inherited} in the child"), monotonic())
 
 
 #: Every open connection, for the fork hook.
