@@ -1,20 +1,11 @@
 """``Channel``: kombu's py-amqp channel, with waits served by the connection's reader.
 
-Threading contract: a thread that needs a reply (a synchronous method, a publisher
-confirm) registers its :class:`~drainer_amqp.sync.Waiter` *before* it writes the request
-(py-amqp issue 90), then waits through the connection's reader: the drainer fills it, or
-in legacy mode the thread reads the socket itself until some reader has. Confirms are
-matched by delivery tag, so several threads may wait for confirms on one channel; other
-synchronous methods on one channel must not be called by two threads at once.
-
-Methods whose listeners run user code (deliveries, returns, broker cancels, ack events)
-are queued in the connection's inbox for the threads in ``drain_events()``. A channel
-closed by the broker is recorded and raised in the thread that next uses the channel,
-which reopens it.
-
-The connection interface used here: ``waiters``, ``inbox``, ``reader``,
-``send_frames``, ``publish_encoder``, ``send_encoded``, ``wait_unblocked``,
-``raise_if_ended``, ``error_for_caller``, ``reason``, ``messages_sent``, ``on_confirm``.
+A thread that needs a reply (a synchronous method, a confirm) registers its
+:class:`~drainer_amqp.sync.Waiter` *before* it writes the request (py-amqp issue 90),
+then waits through the connection's reader. Methods whose listeners run user code are
+queued in the connection's inbox for ``drain_events()``. A channel closed by the broker
+is recorded, and raised (and reopened) in the thread that next uses it. The threading
+contract: docs/threading.md.
 """
 
 from __future__ import annotations
@@ -67,33 +58,32 @@ class Channel(pyamqp.Channel):
     def __init__(self, connection: Connection, *args: Any, **kwargs: Any) -> None:
         self.confirms = Confirms(connection.waiters)
         self._confirm_mode = False
+        # Guards _close_error: set by the reading thread, taken (once) by a using thread.
+        self._close_lock = threading.Lock()
         self._close_error: BaseException | None = None  # the broker closed this channel
         self._prepared: dict[int, Waiter] = {}  # thread id -> wait registered before writing
         # A Basic.Return read just before its message's ack (reading thread only).
         self._returned: tuple[bytes, Any] | None = None
         self._ended_connection: Connection | None = None
+        # Held by the thread that selects confirms (the first confirmed publish) until
+        # SelectOk, so that racing threads send Confirm.Select once.
+        self._confirm_lock = threading.Lock()
         super().__init__(connection, *args, **kwargs)
 
-    def _live_conn(self) -> Connection | None:
-        """The connection, or None once this channel was closed.
-
-        On a channel whose connection ended, raises that reason: a publish after
-        ``close()`` must say ``ConnectionClosedIntentionally`` (so kombu does not
-        reconnect), not py-amqp's generic "connection closed"."""
-        conn = self.connection
-        if conn is None:
-            ended = self._ended_connection
-            if ended is not None and ended.reason is not None:
-                raise ended.error_for_caller()
-        return conn
-
-    def _closed_error(self) -> BaseException:
-        """A publish on a closed channel: recoverable, naming the connection the channel
-        was on (so kombu's cleanup after it leaves a newer connection alone)."""
-        error = RecoverableConnectionError("basic_publish: channel closed")
-        if self._ended_connection is not None:
-            tag(error, self._ended_connection)
-        return error
+    def _live_conn(self) -> Connection:
+        """The connection; on a closed channel, raises the reason its connection ended
+        (after ``close()``, ``ConnectionClosedIntentionally``: kombu does not reconnect),
+        or a recoverable error naming that connection (so kombu's cleanup after it
+        leaves a newer connection alone)."""
+        conn, ended = self.connection, self._ended_connection
+        if conn is not None:
+            return conn
+        if ended is not None and ended.reason is not None:
+            raise ended.error_for_caller()
+        error = RecoverableConnectionError("channel closed")
+        if ended is not None:
+            tag(error, ended)
+        raise error
 
     def collect(self) -> None:
         self._ended_connection = self.connection or self._ended_connection
@@ -125,7 +115,7 @@ class Channel(pyamqp.Channel):
     def _forget(self, conn: Connection, waiter: Waiter) -> None:
         for method in waiter.methods:
             if self._pending.get(method) is waiter:
-                del self._pending[method]
+                self._pending.pop(method, None)  # the reading thread may pop it first
         conn.waiters.discard(waiter)
 
     def _await(self, waiter: Waiter, conn: Connection, timeout: float | None) -> Any:
@@ -148,8 +138,6 @@ class Channel(pyamqp.Channel):
             self._do_revive()
         raise copy.copy(error)
 
-    _close_lock = threading.Lock()  # guards _close_error hand-over (rare: one for all)
-
     def send_method(  # type: ignore[override]
         self,
         sig: tuple[int, int],
@@ -161,8 +149,6 @@ class Channel(pyamqp.Channel):
         returns_tuple: bool = False,
     ) -> Any:
         conn = self._live_conn()
-        if conn is None:
-            return super().send_method(sig, format, args, content, wait, callback, returns_tuple)
         if self._close_error is not None and sig not in (spec.Channel.CloseOk, spec.Channel.Close):
             self._raise_channel_error(conn, self._close_error)
         if not wait:
@@ -185,8 +171,6 @@ class Channel(pyamqp.Channel):
         returns_tuple: bool = False,
     ) -> Any:
         conn = self._live_conn()
-        if conn is None:
-            return super().wait(method, callback, timeout, returns_tuple)
         waiter = self._prepared.pop(threading.get_ident(), None) or self._expect(conn, method)
         try:
             return self._finish_wait(waiter, conn, callback, timeout, returns_tuple)
@@ -203,9 +187,9 @@ class Channel(pyamqp.Channel):
 
     def queue_declare(self, *args: Any, **kwargs: Any) -> Any:
         # py-amqp writes Queue.Declare and only then waits for DeclareOk: register first.
-        conn = self._live_conn()
-        if conn is None or kwargs.get("nowait") or (len(args) > 5 and args[5]):
+        if kwargs.get("nowait") or (len(args) > 5 and args[5]):
             return super().queue_declare(*args, **kwargs)
+        conn = self._live_conn()
         waiter = self._expect(conn, spec.Queue.DeclareOk)
         self._prepared[threading.get_ident()] = waiter  # claimed by wait() below
         try:
@@ -297,7 +281,8 @@ class Channel(pyamqp.Channel):
         if self.is_closing or conn.is_closing:
             return
         error = error_for_code(reply_code, reply_text, (class_id, method_id), ChannelError)
-        self._close_error = error
+        with self._close_lock:
+            self._close_error = error
         for waiter in {w for w in self._pending.values() if isinstance(w, Waiter)}:
             waiter.fail(error)
         self.confirms.fail_all(error)
@@ -311,8 +296,6 @@ class Channel(pyamqp.Channel):
     # -- publishing --------------------------------------------------------------------
     def confirm_select(self, nowait: bool = False) -> Any:
         conn = self._live_conn()
-        if conn is None:
-            return super().confirm_select(nowait)
         waiter = None if nowait else self._expect(conn, spec.Confirm.SelectOk)
         try:
             conn.send_frames(
@@ -335,6 +318,11 @@ class Channel(pyamqp.Channel):
             self.confirms.reset()
             self._confirm_mode = True
         self._confirm_selected = True
+
+    def _select_confirms(self) -> None:
+        with self._confirm_lock:
+            if not self._confirm_selected:  # set as Confirm.Select is queued
+                self.confirm_select()
 
     def _basic_publish(
         self,
@@ -366,8 +354,6 @@ class Channel(pyamqp.Channel):
         waiter: Waiter | None,
     ) -> int:
         conn = self._live_conn()
-        if conn is None:
-            raise self._closed_error()
         if self._close_error is not None:
             self._raise_channel_error(conn, self._close_error)
         conn.wait_unblocked(timeout)
@@ -415,11 +401,8 @@ class Channel(pyamqp.Channel):
         """As py-amqp's: publish, then wait for the broker's ack (``MessageNacked`` on a
         nack) for at most ``confirm_timeout or timeout`` seconds."""
         conn = self._live_conn()
-        if conn is None:
-            raise self._closed_error()
         if not self._confirm_selected:
-            self._confirm_selected = True
-            self.confirm_select()
+            self._select_confirms()
         waiter = conn.waiters.add(Waiter())
         tag = 0
         start = monotonic()

@@ -1,41 +1,15 @@
 """``Connection``: py-amqp's, made safe to share between threads.
 
-Two modes, chosen per connection with ``dedicated_drainer``; they differ only in who
-reads the socket (:mod:`.reading`):
+The mode is the connection's :class:`~drainer_amqp.reading.Reader`, chosen with
+``dedicated_drainer``: legacy (``False``, the default; callers' threads read the socket
+in turn, heartbeats are the caller's, as with stock py-amqp) or a
+:class:`~drainer_amqp.drainer.Drainer` thread that reads and sends heartbeats. Shared by
+both: replies and confirms are registered before the request is written (:mod:`.waits`),
+writes go through one group-committing :class:`~.writer.Writer`, user callbacks wait in
+an :class:`~.waits.Inbox` for ``drain_events()``, and :meth:`Connection.end` is the one
+end: it records why, wakes every waiter, and (on a failure) lets the socket go.
 
-Legacy (``False``, the default)
-    py-amqp's behaviour made thread-safe: a thread that waits reads the socket itself
-    while it holds the transport lock, so other threads' writes wait behind a blocking
-    read. Heartbeats are the caller's job (``heartbeat_tick``), as with stock py-amqp.
-
-Drainer (``True``)
-    After the handshake a :class:`~drainer_amqp.drainer.Drainer` thread owns the
-    socket's reading side and sends heartbeats; callers only sleep until it fills their
-    wait.
-
-Shared by both modes: replies and confirms are registered before the request is
-written (:mod:`.waits`), writes go through one group-committing :class:`~.writer.Writer`
-(a call returns once its frames are in the socket), user callbacks are queued in an
-:class:`~.waits.Inbox` that ``drain_events()`` runs, and one :meth:`Connection.end`
-records why the connection ended and wakes every waiter.
-
-Threading contract (both modes)
-    * Publishing and synchronous methods may be called from any thread, each thread
-      on its own channel. Publisher confirms are matched by delivery tag, so several
-      threads may wait for confirms on one shared channel; other synchronous methods
-      on one channel must not be called by two threads at once (AMQP replies carry
-      no correlation id).
-    * User callbacks (deliveries, returns, broker cancels, ack events, blocked and
-      unblocked notices) run in a thread that called ``drain_events()``, one at a time,
-      in arrival order; never in the drainer. ``basic_cancel`` runs the cancelled
-      consumer's already-queued deliveries in the cancelling thread before it returns.
-    * ``close()`` is idempotent, safe from any thread, bounded by one deadline
-      (``CLOSE_TIMEOUT``), and wakes every waiter with
-      :class:`ConnectionClosedIntentionally`. ``collect()`` tears down without the
-      handshake; on a connection that already failed, it keeps the failure.
-    * A failed link (reset, EOF, heartbeat timeout, malformed frame, broker close,
-      fork) wakes every waiting thread at once with the same error, and every later
-      call raises it immediately.
+The threading contract: docs/threading.md.
 """
 
 from __future__ import annotations
@@ -52,17 +26,17 @@ from typing import Any
 
 import amqp
 from amqp import spec
-from amqp.exceptions import AMQPError, RecoverableConnectionError
+from amqp.exceptions import AMQPError, ConnectionForced, RecoverableConnectionError
 from amqp.method_framing import frame_writer as amqp_frame_writer
 from amqp.serialization import dumps
 
-from .channel import CLOSE_TIMEOUT, Channel
+from .channel import Channel
 from .drainer import Drainer
 from .encoding import PublishEncoder
 from .errors import ConnectionBlocked, ConnectionClosedIntentionally, ConnectionLost, tag
 from .framing import Frame
 from .reading import LockReader, Reader
-from .sync import FairRLock, Waiter
+from .sync import Waiter
 from .waits import Inbox, Waiters
 from .writer import Writer
 
@@ -70,8 +44,8 @@ __all__ = ["CLOSE_TIMEOUT", "Connection"]
 
 logger = logging.getLogger(__name__)
 
-# CLOSE_TIMEOUT (from .channel): one deadline for all of close(): CloseOk, the drainer's
-# join and the lock.
+#: One deadline for all of close(): CloseOk, the drainer's join and the socket's lock.
+CLOSE_TIMEOUT = 5.0
 #: How long a publish waits while the broker has blocked the connection.
 BLOCKED_TIMEOUT = 10.0
 #: How many callbacks may wait for ``drain_events()`` before the drainer stops reading
@@ -129,13 +103,13 @@ class Connection(amqp.Connection):
         self.reason: BaseException | None = None  # why it ended; written once by end()
         self._told = False  # a caller was raised the reason (see connected); set once
         self.waiters = Waiters()
-        self.inbox = Inbox(inbox_limit if dedicated_drainer else 0, self._on_inbox_room)
-        self.reader: Reader = LockReader(self)
+        # The mode: the one place that asks dedicated_drainer.
+        self.reader: Reader = Drainer(self, inbox_limit) if dedicated_drainer else LockReader(self)
+        self.inbox = Inbox(self.reader.inbox_limit, self.reader.wake)
         self.writer: Writer | None = None
         # Encodes Basic.Publish as py-amqp's frame writer would, faster; None while not
         # connected or when the caller gave a frame_writer of its own.
         self.publish_encoder: PublishEncoder | None = None
-        self._drainer: Drainer | None = None
         self._closed_ok: Waiter | None = None  # set by close() while it waits for CloseOk
         self._lock_held = 0.0  # seconds the drainer held the transport lock (stats)
         self.messages_sent = 0  # publishes queued to the writer, under its lock (stats)
@@ -152,16 +126,13 @@ class Connection(amqp.Connection):
         _connections.add(self)
 
     def _init_locks(self) -> None:
-        # Guards py-amqp's reading state (frame assembly, dispatch): the drainer holds it
-        # per batch of frames; a legacy reader across its blocking read, so legacy
-        # waiters must get it in turn.
-        self.transport_lock: threading.RLock | FairRLock = (
-            threading.RLock() if self.dedicated_drainer else FairRLock()
-        )
-        self._state_lock = threading.Lock()  # guards reason (end), _closed
-        self._channel_id_lock = threading.Lock()  # guards py-amqp's _used_channel_ids
-        self._encode_lock = threading.Lock()  # guards the frame encoder and its collector
-        self._close_lock = threading.Lock()  # one close() at a time
+        # transport_lock guards py-amqp's reading state (held by whoever dispatches);
+        # io_lock is held around each socket write. See the readers' new_locks().
+        self.transport_lock, self.io_lock = self.reader.new_locks()
+        self._state_lock = threading.Lock()  # guards reason: any thread, in end()
+        self._channel_id_lock = threading.Lock()  # guards _used_channel_ids: channel openers
+        self._encode_lock = threading.Lock()  # guards the encoder: each sender, per method
+        self._close_lock = threading.Lock()  # one close() at a time: closing threads
         self._unblocked = threading.Event()  # clear while the broker blocks publishes
         self._unblocked.set()
         self._blocked_reason = ""
@@ -172,8 +143,7 @@ class Connection(amqp.Connection):
         writer (or the caller's own ``frame_writer``) and sent whole by the Writer."""
         self._collector = _FrameCollector()
         self._encode = self._frame_writer_cls(connection, self._collector)
-        io_lock = threading.Lock() if self.dedicated_drainer else self.transport_lock
-        self.writer = Writer(transport.sock, io_lock, self._write_failed)
+        self.writer = Writer(transport.sock, self.io_lock, self._write_failed)
         return self._write_frame
 
     def _write_frame(
@@ -230,17 +200,13 @@ class Connection(amqp.Connection):
             raise
         if self._frame_writer_cls is amqp_frame_writer and self.connected:
             self.publish_encoder = PublishEncoder(self.frame_max)  # frame_max as tuned
-        if self.dedicated_drainer and self._drainer is None and self.connected:
-            drainer = Drainer(
-                self,
+        if self.connected:
+            self.reader.start(
                 self._transport.sock,
                 name=f"drainer-amqp-{self.host}",
                 frame_max=self.frame_max,
                 heartbeat=self.heartbeat or 0,
             )
-            self._drainer = drainer
-            self.reader = drainer
-            drainer.start()
         return result
 
     def _get_free_channel_id(self) -> int:
@@ -300,27 +266,33 @@ class Connection(amqp.Connection):
         self.raise_if_ended()
 
     # -- ending: one path for every reason -------------------------------------------------
-    def end(self, reason: BaseException) -> bool:
-        """Record why the connection ended and wake every waiting thread.
+    def end(self, reason: BaseException, release_by: float | None = None) -> None:
+        """The one shutdown, for every cause: a read, write or heartbeat failure, the
+        broker's close, ``close()``, ``collect()``, a fork, a refused login. Records
+        ``reason``, fails the writer, wakes every waiter; on a failure the reader stops
+        and the socket goes; ``release_by``: reader, socket, channels released by then.
 
         The first reason wins: a failure stays the reason even when ``close()`` or
         ``collect()`` follow it (kombu calls both on a failed connection, in ``ensure()``
         and in a failover's ``switch()``, and other threads must still see a recoverable
-        error). Returns whether it recorded ``reason``.
+        error).
         """
         with self._state_lock:
-            if self.reason is not None:
-                return False
-            self.reason = reason
-        if self.writer is not None:
-            self.writer.fail(self.error_for_caller)
-        if not isinstance(reason, ConnectionClosedIntentionally):
-            if self._drainer is not None:
-                self._drainer.request_stop()  # on its way out it closes the socket
-        self.waiters.end()
-        self.inbox.end()
-        self._unblocked.set()
-        return True
+            first = self.reason is None
+            if first:
+                self.reason = reason
+        if first:
+            if self.writer is not None:
+                self.writer.fail(self.error_for_caller)
+            self.waiters.end()
+            self.inbox.end()
+            self._unblocked.set()
+            if not isinstance(reason, ConnectionClosedIntentionally):
+                # Now, not when kombu gets round to collect() (it may just drop the
+                # connection): a thread blocked reading the socket wakes.
+                self.reader.stop_reading()
+        if release_by is not None:
+            self._release(release_by)
 
     def as_connection_error(self, error: BaseException) -> BaseException:
         if isinstance(error, (AMQPError, ConnectionClosedIntentionally)):
@@ -336,11 +308,9 @@ class Connection(amqp.Connection):
         self.end(self.as_connection_error(error))
         return self.error_for_caller()
 
-    def _close_socket(self, deadline: float, shutdown: bool = True) -> None:
-        """Shut the socket down (waking any blocked reader or writer), then close it.
-
-        No TLS ``unwrap``: it would wait for the peer. Safe to call more than once.
-        """
+    def _close_socket(self, deadline: float | None = None, shutdown: bool = True) -> None:
+        """Shut the socket down (waking a blocked reader or writer), then close it; no
+        TLS ``unwrap`` (it would wait for the peer). Safe to call more than once."""
         transport = self._transport
         sock = getattr(transport, "sock", None)
         if transport is None or sock is None:
@@ -353,14 +323,14 @@ class Connection(amqp.Connection):
                 pass
         # A legacy reader or a writer may be inside a socket call; after the shutdown it
         # returns at once, and then the descriptor can go.
-        io_lock = self.writer.io_lock if self.writer is not None else self.transport_lock
-        locked = io_lock.acquire(timeout=max(deadline - monotonic(), 0.0))
+        timeout = CLOSE_TIMEOUT if deadline is None else max(deadline - monotonic(), 0.0)
+        locked = self.io_lock.acquire(timeout=timeout)
         try:
             transport.sock = None  # as py-amqp's close(): its repr() fails on a closed socket
             sock.close()
         finally:
             if locked:
-                io_lock.release()
+                self.io_lock.release()
 
     def close(  # type: ignore[override]
         self,
@@ -385,28 +355,28 @@ class Connection(amqp.Connection):
             if self._transport is None:
                 return  # released already
             # A legacy reader blocked in a read holds the transport lock until the read
-            # returns (up to its drain timeout, or for ever): writing Connection.Close
-            # would wait for it. Only the socket's shutdown below cuts that read short.
-            if self.reason is None and self._transport.connected and not self.reader.reading:
+            # returns (maybe never): Connection.Close would wait for it; the shutdown in
+            # end() cuts it short. Set first, is_closing keeps the others from reading.
+            if self.reason is None and self._transport.connected:
+                self.is_closing = True
+            if self.is_closing and self.reason is None and not self.reader.reading:
                 closed_ok = Waiter()
                 self._closed_ok = closed_ok
-                self.is_closing = True
                 args = dumps(argsig, (reply_code, reply_text, method_sig[0], method_sig[1]))
                 try:
                     # After everything that returned before it; nothing can follow it.
                     self.send_frames(0, spec.Connection.Close, args, None, last=lambda: intentional)
                     self.end(intentional)
-                    self.reader.wait(closed_ok, deadline, closing=True)
+                    # A tenth of the deadline is left to stop the reader, close the socket.
+                    self.reader.wait(closed_ok, deadline - CLOSE_TIMEOUT / 10, closing=True)
                 except (OSError, AMQPError, TimeoutError, ConnectionClosedIntentionally):
                     pass  # the link is going away either way
-            self.end(intentional)
-            self._release(deadline)
+            self.end(intentional, deadline)
         finally:
             self._close_lock.release()
 
     def _on_close_ok(self) -> None:
-        # CloseOk from the broker (or ours sent after the broker's Close): the socket is
-        # torn down by close(), or by whoever ends the connection, not by the reader.
+        # CloseOk (the broker's, or ours to its Close): close() or end() tears down.
         if self._closed_ok is not None:
             self._closed_ok(spec.Connection.CloseOk)
 
@@ -416,17 +386,13 @@ class Connection(amqp.Connection):
         On a healthy connection every waiter wakes with
         :class:`ConnectionClosedIntentionally`; on one that already failed, the failure
         stays the reason, so kombu's retry logic keeps retrying."""
-        self.end(ConnectionClosedIntentionally("connection collected"))
-        self._release(monotonic() + CLOSE_TIMEOUT)
+        self.end(ConnectionClosedIntentionally("connection collected"), monotonic() + CLOSE_TIMEOUT)
 
-    def _release(self, deadline: float, shutdown: bool = True) -> None:
+    def _release(self, deadline: float) -> None:
         """Stop the reader, close the socket and channels; once per connection."""
-        drainer = self._drainer
-        if drainer is not None:
-            drainer.request_stop()
-            if not drainer.stop(max(deadline - monotonic(), 0.0)):
-                logger.warning("drainer thread %s did not stop in time", drainer.thread.name)
-        self._close_socket(deadline, shutdown)
+        if not self.reader.stop(max(deadline - monotonic(), 0.0)):
+            logger.warning("the drainer thread of %r did not stop in time", self)
+        self._close_socket(deadline)
         self.inbox.close()
         _connections.discard(self)
         for channel in list((self.channels or {}).values()):
@@ -435,11 +401,6 @@ class Connection(amqp.Connection):
         self._transport = self.connection = self.channels = None  # type: ignore[assignment]
 
     # -- the drainer's sink ----------------------------------------------------------------
-    @property
-    def io_lock(self) -> Any:
-        assert self.writer is not None
-        return self.writer.io_lock
-
     def dispatch_frames(self, frames: list[Frame]) -> None:
         on_frame = self.on_inbound_frame
         with self.transport_lock:
@@ -461,17 +422,13 @@ class Connection(amqp.Connection):
     def reading_paused(self) -> bool:
         return self.inbox.full
 
-    def _on_inbox_room(self) -> None:
-        if self._drainer is not None:
-            self._drainer.wake()
-
     def drainer_exited(self, error: BaseException | None) -> None:
         if error is not None:
             self.end(self.as_connection_error(error))
         if not isinstance(self.reason, ConnectionClosedIntentionally):
             # Failed: release the socket now, not when kombu gets round to collect()
             # (it may just drop the connection).
-            self._close_socket(monotonic() + CLOSE_TIMEOUT)
+            self._close_socket()
         if self._closed_ok is not None:
             self._closed_ok.fail()  # a close() in progress need not wait any longer
 
@@ -536,28 +493,28 @@ class Connection(amqp.Connection):
     def heartbeat_tick(self, rate: int = 2) -> None:
         """Legacy: py-amqp's. Drainer mode: the drainer owns heartbeats; this only
         raises the connection's failure, if any."""
-        if self._drainer is None:
-            return super().heartbeat_tick(rate)
+        if not self.reader.owns_socket:
+            try:
+                return super().heartbeat_tick(rate)
+            except ConnectionForced as exc:  # heartbeats missed
+                self.end(exc)
+                raise
         if self.reason is not None and not isinstance(self.reason, ConnectionClosedIntentionally):
             raise self.error_for_caller()
 
     # -- introspection ---------------------------------------------------------------------
     def drainer_stats(self) -> dict[str, float | int | bool]:
         """Plain numbers to log: what the drainer read and sent, and who is waiting."""
-        drainer = self._drainer
-        stats: dict[str, float | int | bool] = {
+        return {
             "dedicated_drainer": self.dedicated_drainer,
-            "running": bool(drainer and drainer.is_alive()),
             "lock_held_seconds": self._lock_held,
             "waiting_threads": len(self.waiters),
             "messages_sent": self.messages_sent,
             "pending_callbacks": len(self.inbox),
             "reading_paused": self.inbox.full,
             "blocked": not self._unblocked.is_set(),
+            **self.reader.stats(),
         }
-        if drainer is not None:
-            stats.update(drainer.stats.as_dict())
-        return stats
 
     def __repr__(self) -> str:
         mode = "drainer" if self.dedicated_drainer else "legacy"
@@ -572,17 +529,11 @@ class Connection(amqp.Connection):
         self._init_locks()
         self.waiters.reset()
         self.inbox.reset()
-        if self._drainer is not None:
-            self._drainer.close()  # its thread does not exist here; its pipe does
-            self._drainer = None
+        self.reader.close()  # a drainer's thread does not exist here; its pipe does
         self.writer = None  # its lock may be held by a parent thread that is gone
-        self.end(
-            ConnectionLost(
-                f"connection to {self.host} was inherited by a forked process; "
-                "reconnect in the child"
-            )
-        )
-        self._release(monotonic(), shutdown=False)
+        self._close_socket(monotonic(), shutdown=False)  # before end(), which shuts it down
+        inherited = f"connection to {self.host} was inherited by a forked process; reconnect"
+        self.end(ConnectionLost(f"{inherited} in the child"), monotonic())
 
 
 #: Every open connection, for the fork hook.

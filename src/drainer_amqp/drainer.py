@@ -1,22 +1,16 @@
-"""The drainer: one background thread that owns the reading side of a socket.
+"""The drainer: drainer mode's reader, one thread that owns the reading side of a socket.
 
-Threading contract
-------------------
-* Exactly one ``Drainer`` thread reads a connection's socket; no other thread does.
-* It sleeps in ``select`` on the socket and a wake-up socketpair, reads what is
-  there without blocking, and assembles frames itself (:mod:`.framing`). Only
-  complete frames are handed to ``sink.dispatch_frames``, which takes the transport
-  lock for the time it takes to dispatch them; no read ever happens under that lock.
-  (TLS: an ``SSLSocket`` may not be read and written at once, so a TLS read is a
-  *non-blocking* read under the writer's ``io_lock``.)
-* It sends a heartbeat (py-amqp's ``send_heartbeat``) when nothing was written for
-  half the interval, and fails the connection when the broker was silent for two.
-* It never runs user code: the sink queues deliveries and user callbacks for the
-  threads that call ``drain_events()``. While that queue is full
-  (``sink.reading_paused()``) it stops reading, so TCP back-pressure reaches the
-  broker; the queue's owner calls :meth:`Drainer.wake` when there is room again.
-* Its owner (the ``Connection``) stops it with :meth:`Drainer.stop`, which wakes the
-  ``select`` at once; the thread then exits and reports to ``sink.drainer_exited``.
+* It sleeps in ``select`` on the socket and a wake-up socketpair, reads what is there
+  without blocking, and assembles frames itself (:mod:`.framing`). Complete frames go to
+  ``sink.dispatch_frames``, which holds the transport lock while it dispatches them; no
+  read happens under that lock. (TLS: an ``SSLSocket`` may not be read and written at
+  once, so a TLS read is a non-blocking read under the writer's ``io_lock``.)
+* It sends a heartbeat when nothing was written for half the interval, and fails the
+  connection when the broker was silent for two.
+* It never runs user code. While the inbox is full (``sink.reading_paused()``) it stops
+  reading, so TCP back-pressure reaches the broker; :meth:`Drainer.wake` resumes it.
+* :meth:`Drainer.stop` wakes the ``select`` at once; the thread exits and reports to
+  ``sink.drainer_exited``.
 """
 
 from __future__ import annotations
@@ -70,33 +64,49 @@ class DrainerStats:
 
 
 class Drainer:
-    """Reads ``sock`` in a thread named ``drainer-amqp-<host>``, owned by ``sink``."""
+    """Drainer mode's :class:`~drainer_amqp.reading.Reader`: once started, reads ``sock``
+    in a thread of its own, owned by ``sink``; ``inbox_limit`` callbacks may wait for
+    ``drain_events()`` before it pauses reading."""
 
-    def __init__(
-        self, sink: DrainerSink, sock: socket.socket, *, name: str, frame_max: int, heartbeat: float
-    ) -> None:
+    owns_socket = True
+    reading = False  # no caller's thread ever reads, so none can hold up a close()
+
+    def __init__(self, sink: DrainerSink, inbox_limit: int) -> None:
         self._sink = sink
-        self._sock = sock
-        self._tls = isinstance(sock, ssl.SSLSocket)
-        self._assembler = FrameAssembler(frame_max)
-        self._heartbeat = float(heartbeat or 0)
-        self._wake = Signal()  # makes the select return: stop, or room in the inbox
+        self.inbox_limit = inbox_limit
+        self._wake: Signal | None = None  # from start(): makes the select return
         self._stopping = False  # set once by request_stop(), read by the thread
-        self.stats = DrainerStats()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._counts = DrainerStats()  # written by the thread only
+        self.thread: threading.Thread | None = None
 
     # -- owner API ---------------------------------------------------------------
-    def start(self) -> None:
-        self.thread.start()
+    def new_locks(self) -> tuple[Any, Any]:
+        """The transport lock (held per batch of frames dispatched) and the writer's own
+        io_lock (shared only by TLS reads)."""
+        return threading.RLock(), threading.Lock()
+
+    def start(self, sock: socket.socket, *, name: str, frame_max: int, heartbeat: float) -> None:
+        """Start reading ``sock`` in a thread named ``name`` (once)."""
+        if self.thread is None:
+            self._sock, self._tls = sock, isinstance(sock, ssl.SSLSocket)
+            self._wake = Signal()  # the thread closes it as it exits
+            self._assembler = FrameAssembler(frame_max)
+            self._heartbeat = float(heartbeat or 0)
+            self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self.thread.start()
 
     def wake(self) -> None:
         """Make the thread's ``select`` return now (safe from any thread)."""
-        self._wake.set()
+        if self._wake is not None:
+            self._wake.set()
 
     def request_stop(self) -> None:
-        """Ask the thread to exit soon; do not wait (safe from any thread)."""
+        """Ask the thread to exit soon (it then closes the socket); do not wait (safe from
+        any thread)."""
         self._stopping = True
         self.wake()
+
+    stop_reading = request_stop
 
     def stop(self, timeout: float) -> bool:
         """Ask the thread to exit and join it for at most ``timeout`` seconds.
@@ -105,7 +115,7 @@ class Drainer:
         the drainer thread itself.
         """
         self.request_stop()
-        if threading.current_thread() is self.thread:
+        if self.thread is None or threading.current_thread() is self.thread:
             return True
         self.thread.join(timeout)
         return not self.thread.is_alive()
@@ -113,18 +123,17 @@ class Drainer:
     def close(self) -> None:
         """Release the wake-up pair. The thread does it as it exits; a forked child,
         which has no thread, does it itself. A later :meth:`wake` is a no-op."""
-        self._wake.close()
+        if self._wake is not None:
+            self._wake.close()
 
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
-
-    #: The Reader seam: no caller's thread ever reads, so none can hold up a close().
-    reading = False
+    def stats(self) -> dict[str, float | int | bool]:
+        running = self.thread is not None and self.thread.is_alive()
+        return {"running": running, **self._counts.as_dict()}
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         """The :class:`~drainer_amqp.reading.Reader` seam: this thread reads, so a caller
         only sleeps until ``awaitable`` is ready; ``TimeoutError`` at ``deadline``."""
-        if self._sock.fileno() == -1 and self.is_alive():
+        if self.thread is not None and self._sock.fileno() == -1 and self.thread.is_alive():
             self.wake()  # someone closed the socket under us: the thread reports it
         timeout = None if deadline is None else deadline - monotonic()
         if not awaitable.wait(timeout):
@@ -135,8 +144,9 @@ class Drainer:
         error: BaseException | None = None
         selector = selectors.DefaultSelector()
         try:
+            assert self._wake is not None
             selector.register(self._wake, selectors.EVENT_READ)
-            self._loop(selector)
+            self._loop(selector, self._wake)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported to the owner
             error = exc
         finally:
@@ -146,7 +156,7 @@ class Drainer:
         finally:
             self.close()  # the wake-up pair goes with the thread, whoever stopped it
 
-    def _loop(self, selector: selectors.BaseSelector) -> None:
+    def _loop(self, selector: selectors.BaseSelector, wake: Signal) -> None:
         now = monotonic()
         last_recv = last_sent = now
         seen_sent = self._sink.bytes_sent
@@ -173,8 +183,8 @@ class Drainer:
             else:
                 readable = False
                 for key, _ in selector.select(timeout):
-                    if key.fileobj is self._wake:
-                        self._wake.clear()
+                    if key.fileobj is wake:
+                        wake.clear()
                     else:
                         readable = True
             if self._stopping:
@@ -191,7 +201,7 @@ class Drainer:
                 elif now - last_sent >= interval / 2:
                     # A busy lock means a writer is mid-frame: that is traffic too.
                     if self._sink.try_send_heartbeat():
-                        self.stats.heartbeats_sent += 1
+                        self._counts.heartbeats_sent += 1
                     seen_sent, last_sent = self._sink.bytes_sent, now
                 if now - last_recv > 2 * interval:
                     raise HeartbeatTimeout(
@@ -207,7 +217,7 @@ class Drainer:
         if not data:
             self._assembler.check_eof()
             raise ConnectionLost("the broker closed the connection (end of stream)")
-        stats = self.stats
+        stats = self._counts
         stats.reads += 1
         stats.bytes_read += len(data)
         try:

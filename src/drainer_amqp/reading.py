@@ -1,26 +1,21 @@
-"""Who reads the socket: the one seam between the two modes.
+"""Who reads the socket: the mode of a connection, its one seam between the two.
 
 A thread that needs something from the broker (a reply, a confirm, a queued callback)
 registers an :class:`~drainer_amqp.sync.Awaitable` and calls ``reader.wait(it,
-deadline)``. Everything else (waits, confirms, the inbox, the end of the connection) is
-shared by both modes.
-
-* Drainer mode: :class:`~drainer_amqp.drainer.Drainer` reads in its own thread; ``wait``
-  only sleeps.
-* Legacy mode: :class:`LockReader`. The waiting thread reads frames itself while it holds
-  the transport lock, until its awaitable is ready, as stock py-amqp does. Whoever reads
-  a frame dispatches it, so a thread may fill another thread's wait.
+deadline)``. Legacy mode (:class:`LockReader`): the waiting thread reads frames itself,
+under the transport lock, until its awaitable is ready, as stock py-amqp does; whoever
+reads a frame dispatches it. Drainer mode: :class:`~drainer_amqp.drainer.Drainer`.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from time import monotonic
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .channel import CLOSE_TIMEOUT
 from .framing import HEADER_SIZE, check_header
-from .sync import Awaitable
+from .sync import Awaitable, FairRLock
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -29,21 +24,48 @@ __all__ = ["LockReader", "Reader"]
 
 
 class Reader(Protocol):
+    """A connection's mode: who reads its socket. ``Connection`` picks one when it is
+    made and asks nothing else about the mode."""
+
+    #: A thread of its own reads and sends heartbeats (kombu's Hub watches the inbox).
+    owns_socket: bool
+    inbox_limit: int  #: callbacks queued for drain_events() before reading pauses (0: none)
+
     @property
     def reading(self) -> bool:
-        """A caller's thread is blocked in a socket read that only the socket's shutdown
-        can cut short (legacy mode). close() then tears down without the handshake."""
-        ...
+        """A caller's thread is in a read only the socket's shutdown cuts short (legacy)."""
+
+    def new_locks(self) -> tuple[Any, Any]:
+        """New locks: the transport lock (py-amqp's reading state), the writer's io_lock."""
+
+    def start(self, sock: socket.socket, *, name: str, frame_max: int, heartbeat: float) -> None:
+        """The handshake is done: reading may begin."""
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         """Return once ``awaitable`` is ready; ``TimeoutError`` at ``deadline``. Raises
         the connection's reason if it ended (unless ``closing``: close() waits for
         CloseOk after the end)."""
-        ...
+
+    def wake(self) -> None:
+        """The inbox has room again."""
+
+    def stop_reading(self) -> None:
+        """The connection failed: let the socket go now (a thread reading it wakes)."""
+
+    def stop(self, timeout: float) -> bool:
+        """Stop reading; whether that happened within ``timeout`` seconds."""
+
+    def close(self) -> None:
+        """In a forked child: release what the parent's reader left here."""
+
+    def stats(self) -> dict[str, float | int | bool]: ...
 
 
 class LockReader:
     """Legacy mode: the thread that holds the transport lock reads."""
+
+    owns_socket = False
+    inbox_limit = 0
 
     def __init__(self, connection: Connection) -> None:
         self._conn = connection
@@ -52,12 +74,37 @@ class LockReader:
     def reading(self) -> bool:
         return self._conn.dispatching is not None  # only this reader dispatches in legacy
 
+    def new_locks(self) -> tuple[Any, Any]:
+        # The transport lock, handed over in turn, also guards writes: a reader changes
+        # the socket's timeout, so nobody may write meanwhile.
+        lock = FairRLock()
+        return lock, lock
+
+    def start(self, sock: socket.socket, *, name: str, frame_max: int, heartbeat: float) -> None:
+        pass  # callers' threads read
+
+    def wake(self) -> None:
+        pass
+
+    def stop_reading(self) -> None:
+        self._conn._close_socket()
+
+    def stop(self, timeout: float) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float | int | bool]:
+        return {"running": False}
+
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         conn = self._conn
         lock = conn.transport_lock
         while not awaitable.ready():
             if not closing:
                 conn.raise_if_ended()
+            stand_by = False
             remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
             if not lock.acquire(timeout=-1 if remaining is None else remaining):
                 raise TimeoutError()
@@ -69,21 +116,25 @@ class LockReader:
                 remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
                 conn.dispatching = threading.get_ident()
                 try:
-                    read_frame(conn, remaining)  # at least one read, even at the deadline
+                    # close() sets is_closing, then asks whether we read: one of us sees
+                    # the other. It writes Connection.Close under this lock, then ends
+                    # the connection, which fills awaitable: wait for that, not the socket.
+                    stand_by = conn.is_closing and not closing
+                    if not stand_by:
+                        read_frame(conn, remaining)  # at least one read, even at the deadline
                 finally:
                     conn.dispatching = None
             except TimeoutError:
                 raise TimeoutError() from None
             except Exception as exc:  # noqa: BLE001 - any read failure ends the connection
                 conn.end(conn.as_connection_error(exc))
-                # As in drainer mode: the socket goes now (kombu may just drop a failed
-                # connection and open another); a writer waiting on it wakes.
-                conn._close_socket(monotonic() + CLOSE_TIMEOUT)
                 if closing:
                     return
                 raise conn.error_for_caller() from exc
             finally:
                 lock.release()
+            if stand_by:
+                awaitable.wait(remaining)
             if deadline is not None and monotonic() >= deadline and not awaitable.ready():
                 raise TimeoutError()
 

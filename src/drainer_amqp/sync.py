@@ -81,7 +81,7 @@ class Signal:
         self._r, self._w = socket.socketpair()
         self._r.setblocking(False)
         self._w.setblocking(False)
-        self._is_set = False  # written by set()/clear(); a stale read costs one spare byte
+        self._is_set = False  # a byte is pending or coming; a stale read costs a spare byte
 
     def fileno(self) -> int:
         return self._r.fileno()
@@ -89,21 +89,25 @@ class Signal:
     def set(self) -> None:
         if not self._is_set:
             self._is_set = True
-            try:
-                self._w.send(b"\0")
-            except OSError:  # full (a byte is pending anyway) or closed
-                pass
+            self._send()
+
+    def _send(self) -> None:
+        try:
+            self._w.send(b"\0")
+        except OSError:  # full (a byte is pending anyway) or closed
+            pass
 
     def clear(self) -> None:
-        # Empty the pipe first, then reset the flag: the other way round, a set() landing
-        # in between would have its byte read away while the flag stayed set, and no
-        # later set() would ever write again.
+        # The flag first: a set() from here on writes its byte. If one lands before the
+        # pipe is empty, its byte may be read away: the flag tells, and it is written again.
+        self._is_set = False
         try:
             while self._r.recv(4096):
                 pass
         except OSError:
             pass
-        self._is_set = False
+        if self._is_set:
+            self._send()
 
     def close(self) -> None:
         self._r.close()

@@ -63,8 +63,7 @@ class Transport(pyamqp.Transport):
         client = self.client
         if client is None:
             # Another thread's collect() detached this transport from its kombu
-            # connection while this one was reconnecting: recoverable, so kombu's retry
-            # loop tries again with a fresh transport (stock raised AttributeError).
+            # connection while this one reconnected: kombu's retry loop tries again.
             raise RecoverableConnectionError("reconnect raced a collect(); retry")
         with _live_lock:
             lock = _reconnect_locks.setdefault(client, threading.Lock())
@@ -92,9 +91,8 @@ class Transport(pyamqp.Transport):
     def close_connection(self, connection: DrainerConnection) -> None:
         if in_failover_after_another(connection):
             return  # another thread's live connection: not this failover's to close
-        # Unlike kombu's, this keeps connection.client: other threads' consumers and
-        # producers still on it find their kombu connection through it
-        # (``Consumer.__exit__`` after a failover raised AttributeError).
+        # Keeps connection.client: other threads' consumers and producers on it find
+        # their kombu connection through it.
         connection.close()
 
     def _collect(self, connection: DrainerConnection | None) -> None:
@@ -111,17 +109,17 @@ class Transport(pyamqp.Transport):
         connection.collect()
 
     def register_with_event_loop(self, connection: DrainerConnection, loop: Any) -> None:
-        if not connection.dedicated_drainer:
+        if not connection.reader.owns_socket:
             return super().register_with_event_loop(connection, loop)
         loop.add_reader(connection.inbox_fileno(), self.on_readable, connection, loop)
 
     def unregister_from_event_loop(self, connection: DrainerConnection, loop: Any) -> None:
-        if connection.dedicated_drainer and connection.inbox.watched:
+        if connection.reader.owns_socket and connection.inbox.watched:
             loop.remove_reader(connection.inbox_fileno())
         return super().unregister_from_event_loop(connection, loop)
 
     def on_readable(self, connection: DrainerConnection, loop: Any) -> None:
-        if not connection.dedicated_drainer:
+        if not connection.reader.owns_socket:
             return super().on_readable(connection, loop)
         connection.run_pending_callbacks()
 

@@ -205,15 +205,12 @@ class Inbox:
         finally:
             self._run_lock.release()
 
-    def run_matching(self, key: Hashable) -> int:
+    def run_matching(self, key: Hashable) -> None:
         """Run, in this thread, every queued callback of ``key`` (a consumer that was just
-        cancelled), in order; return how many ran."""
-        done = 0
+        cancelled), in order."""
         with self._run_lock:
             while (item := self._take(key)) is not None:
                 item[1](*item[2])
-                done += 1
-        return done
 
     def _take(self, key: Hashable | None) -> Callback | None:
         room = False

@@ -102,7 +102,7 @@ def deliver_once(mode: str, proxied: ProxiedBroker, body: bytes) -> Delivery:
             stream="downstream",
             attributes={"average_size": 512, "size_variation": 0, "delay": 1000},
         )
-        drainer = conn._drainer.thread if conn._drainer is not None else None
+        drainer = getattr(conn.reader, "thread", None)
         watched = [consumer.native_id or 0] + ([drainer.native_id or 0] if drainer else [])
         reader = drainer or consumer
         before = _cpu_times(watched)
@@ -116,7 +116,7 @@ def deliver_once(mode: str, proxied: ProxiedBroker, body: bytes) -> Delivery:
         busy = {i: (after[i] - before[i]) / result.seconds for i in watched}
         result.consumer_cpu_ratio = busy[watched[0]]
         result.reader_cpu_ratio = busy[watched[-1]]
-        if conn._drainer is not None:
+        if drainer is not None:
             result.drainer_reads = int(conn.drainer_stats().get("reads", 0))
         result.whole = received == [body]
     finally:

@@ -1,0 +1,261 @@
+"""Races found by reading the code, each forced with events and hooks (never sleeps), and
+each concurrency test run once more with the interpreter switching threads constantly."""
+
+from __future__ import annotations
+
+import select
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import amqp
+import pytest
+from amqp import spec
+from support.broker import JOIN
+
+import drainer_amqp
+from drainer_amqp import ConnectionClosedIntentionally, reading
+from drainer_amqp.channel import Channel
+from drainer_amqp.reading import LockReader
+from drainer_amqp.sync import Signal
+
+MODES = ["legacy", "drainer"]
+
+
+@pytest.fixture(params=["default", "tiny-switch-interval"])
+def switching(request: pytest.FixtureRequest) -> Iterator[None]:
+    previous = sys.getswitchinterval()
+    if request.param != "default":
+        sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(previous)
+
+
+def start(target: Callable[[], object], name: str) -> tuple[threading.Thread, list[Any]]:
+    """Run ``target`` in a thread; the list gets its result or exception."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(target())
+        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+# -- R2: the first confirmed publishes of two threads on one channel ---------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_first_confirmed_publishes_on_one_channel_both_return(
+    connect: Callable[..., drainer_amqp.Connection],
+    mode: str,
+    switching: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    conn = connect(mode)
+    channel = conn.channel()
+    queue = channel.queue_declare("", exclusive=True).queue
+    # Both threads see "confirms not selected yet" before either goes on.
+    both_looked = threading.Barrier(2, timeout=JOIN)
+    looks = [0]
+    looks_lock = threading.Lock()
+
+    def get(self: Channel) -> bool:
+        selected = bool(self.__dict__.get("_test_selected"))
+        with looks_lock:
+            first_two = not selected and looks[0] < 2
+            looks[0] += first_two
+        if first_two:
+            both_looked.wait()
+        return selected
+
+    def set_(self: Channel, value: bool) -> None:
+        self.__dict__["_test_selected"] = value
+
+    monkeypatch.setattr(Channel, "_confirm_selected", property(get, set_), raising=False)
+
+    def publish() -> object:
+        return channel.basic_publish_confirm(amqp.Message(b"x"), "", queue)
+
+    threads = [start(publish, f"publisher-{i}") for i in range(2)]
+    for thread, _ in threads:
+        thread.join(JOIN)
+    hung = [t.name for t, _ in threads if t.is_alive()]
+    conn.collect()  # wakes a hung publisher
+    assert not hung, f"{hung} never got its confirm"
+    for _, outcome in threads:
+        assert not isinstance(outcome[0], BaseException), outcome
+
+
+# -- R3: a wait forgotten just as the reading thread fills it ---------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forgetting_a_wait_the_reader_just_took_is_no_key_error(
+    connect: Callable[..., drainer_amqp.Connection], mode: str, switching: None
+) -> None:
+    conn = connect(mode)
+    channel = conn.channel()
+    waiter = channel._expect(conn, spec.Basic.QosOk)
+
+    class ReaderPopsAfterLookUp(dict):  # type: ignore[type-arg]
+        def get(self, key: Any, default: Any = None) -> Any:
+            value = super().get(key, default)
+            # The reading thread dispatches the reply (py-amqp pops the entry) now.
+            reader = threading.Thread(target=self.pop, args=(key, None), name="reader")
+            reader.start()
+            reader.join(JOIN)
+            return value
+
+    channel._pending = ReaderPopsAfterLookUp(channel._pending)
+    channel._forget(conn, waiter)
+    assert spec.Basic.QosOk not in channel._pending
+
+
+# -- R4: a set() that lands inside Signal.clear() --------------------------------------
+
+
+@pytest.mark.parametrize("lands", ["before the pipe is emptied", "after the pipe is emptied"])
+def test_a_set_during_clear_leaves_the_signal_readable(lands: str, switching: None) -> None:
+    signal = Signal()
+    pipe = signal._r
+
+    def set_from_another_thread() -> None:
+        setter = threading.Thread(target=signal.set, name="setter")
+        setter.start()
+        setter.join(JOIN)
+
+    class HookedPipe:
+        calls = 0
+
+        def recv(self, size: int) -> bytes:
+            self.calls += 1
+            if lands.startswith("before") and self.calls == 1:
+                set_from_another_thread()  # its byte is then read away by this clear()
+            try:
+                return pipe.recv(size)
+            except BlockingIOError:
+                if lands.startswith("after"):
+                    set_from_another_thread()
+                raise
+
+    try:
+        signal.set()
+        signal._r = HookedPipe()  # type: ignore[assignment]
+        signal.clear()
+        signal._r = pipe
+        assert select.select([pipe], [], [], 0)[0], "the set() was lost"
+    finally:
+        signal._r = pipe
+        signal.close()
+
+
+# -- R1: a legacy reader that takes the lock just after close() looked -------------------
+
+
+class GatedLock:
+    """The transport lock, except that ``gated``'s first acquire waits for ``go``."""
+
+    def __init__(self, lock: Any, gated: str) -> None:
+        self.lock, self.gated = lock, gated
+        self.go, self.taken = threading.Event(), threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        mine = threading.current_thread().name == self.gated and not self.taken.is_set()
+        if mine:
+            self.go.wait(JOIN)
+        got = bool(self.lock.acquire(blocking, timeout))
+        if mine:
+            self.taken.set()
+        return got
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+
+def test_legacy_close_keeps_its_deadline_when_a_reader_takes_the_lock_just_after_it_looked(
+    connect: Callable[..., drainer_amqp.Connection],
+    switching: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    conn = connect("legacy")
+    gate = GatedLock(conn.transport_lock, "reader")
+    conn.transport_lock = gate  # type: ignore[assignment]
+    reading = LockReader.reading
+
+    def look(self: LockReader) -> bool:
+        answer = reading.fget(self)  # type: ignore[attr-defined]
+        if threading.current_thread().name == "closer":
+            gate.go.set()  # the reader takes the lock now, just after close() looked
+            assert gate.taken.wait(JOIN)
+        return bool(answer)
+
+    monkeypatch.setattr(LockReader, "reading", property(look))
+    reader, read = start(conn.drain_events, "reader")  # no timeout, no heartbeat
+    closer, _ = start(conn.close, "closer")
+    closer.join(JOIN)
+    stuck = closer.is_alive()
+    if stuck:
+        conn.transport.sock.shutdown(socket.SHUT_RDWR)  # frees the reader, then close()
+    reader.join(JOIN)
+    assert not stuck, "close() waited behind a blocked read past its deadline"
+    assert isinstance(read[0], ConnectionClosedIntentionally), read
+
+
+# -- a legacy heartbeat timeout ends the connection -------------------------------------
+
+
+def test_a_legacy_heartbeat_timeout_wakes_a_blocked_reader_and_closes_the_socket(
+    connect: Callable[..., drainer_amqp.Connection],
+    switching: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    conn = connect("legacy", heartbeat=120)
+    assert conn.heartbeat
+    in_read = threading.Event()
+    read_frame = reading.read_frame
+
+    def hooked(conn: Any, timeout: float | None) -> None:
+        in_read.set()
+        read_frame(conn, timeout)
+
+    monkeypatch.setattr(reading, "read_frame", hooked)
+    reader, read = start(conn.drain_events, "reader")  # blocked until a frame comes
+    assert in_read.wait(JOIN)
+    # Two intervals without a frame from the broker; nothing due to send.
+    conn.prev_sent, conn.prev_recv = conn.bytes_sent, conn.bytes_recv
+    conn.last_heartbeat_sent = time.monotonic()
+    conn.last_heartbeat_received = time.monotonic() - 10 * conn.heartbeat
+    with pytest.raises(drainer_amqp.Transport.recoverable_connection_errors):
+        conn.heartbeat_tick()
+    reader.join(JOIN)
+    stuck = reader.is_alive()
+    if stuck:
+        conn.collect()
+    assert not stuck, "a thread blocked in drain_events() was not woken"
+    assert isinstance(read[0], drainer_amqp.Transport.recoverable_connection_errors), read
+    assert conn.transport is None or conn.transport.sock is None, "the socket is still open"
+
+
+# -- a channel closed by the broker: its error is handed over under its own lock ---------
+
+
+def test_each_channel_hands_over_its_close_error_under_a_lock_of_its_own(
+    connect: Callable[..., drainer_amqp.Connection],
+) -> None:
+    conn = connect("legacy")
+    first, second = conn.channel(), conn.channel()
+    assert first._close_lock is not second._close_lock
