@@ -61,6 +61,9 @@ def test_close_while_threads_publish_keeps_every_returned_publish(
         start = time.perf_counter()
         conn.close()
         took = time.perf_counter() - start
+        # Every thread's next publish raises (a thread between two publishes when close()
+        # returned must not be stopped before it tries).
+        assert wait_until(lambda: all(publishers.errors), JOIN), publishers.errors
     assert took < 1.0, f"close() took {took:.2f}s while threads published"
     for error in publishers.errors:  # a closed connection, or a channel it closed
         assert isinstance(
