@@ -113,10 +113,8 @@ class Connection(amqp.Connection):
         self._closed_ok: Waiter | None = None  # set by close() while it waits for CloseOk
         self._lock_held = 0.0  # seconds the drainer held the transport lock (stats)
         self.messages_sent = 0  # publishes queued to the writer, under its lock (stats)
-        # The thread reading and dispatching frames now, under the transport lock (the
-        # drainer, or a legacy reader). Replies py-amqp writes from there (CloseOk, a
-        # channel's CloseOk) must not wait for another thread's flush: in legacy mode
-        # that flusher waits for the transport lock this thread holds.
+        # The thread dispatching frames now, under the transport lock. Its replies never
+        # wait in the writer: in legacy mode the leader may be waiting for that lock.
         self.dispatching: int | None = None
         self._init_locks()
         super().__init__(*args, **kwargs)
