@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 from struct import unpack_from
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from amqp import spec
 from amqp.exceptions import ChannelError, MessageNacked, RecoverableConnectionError, error_for_code
@@ -22,12 +23,11 @@ from amqp.serialization import dumps
 from kombu.transport import pyamqp
 from vine import promise
 
+from .encoding import PublishEncoder
 from .errors import in_failover_after_another, tag
+from .reading import Reader
 from .sync import Waiter
-from .waits import Confirms
-
-if TYPE_CHECKING:
-    from .connection import Connection
+from .waits import Confirms, Inbox, Waiters
 
 __all__ = ["CLOSE_TIMEOUT", "Channel"]
 
@@ -44,6 +44,39 @@ _QUEUED = _QUEUED_BY_CONSUMER | {spec.Basic.Return}
 _EVENTS = {_ACK: "basic_ack", _NACK: "basic_nack"}
 
 
+class ChannelConnection(Protocol):
+    """What a channel uses of its :class:`drainer_amqp.Connection`."""
+
+    waiters: Waiters
+    inbox: Inbox
+    reader: Reader
+    publish_encoder: PublishEncoder | None
+    reason: BaseException | None
+    is_closing: bool
+    messages_sent: int  # counted as each publish is queued
+    on_confirm: Callable[[float, bool], None] | None
+
+    def send_frames(
+        self,
+        channel: int,
+        method_sig: Any,
+        args: Any,
+        content: Any,
+        *,
+        number: Callable[[], Any] | None = None,
+        timeout: float | None = None,
+    ) -> None: ...
+    def send_encoded(
+        self,
+        chunks: list[bytes | memoryview],
+        *,
+        number: Callable[[], Any] | None = None,
+        timeout: float | None = None,
+    ) -> None: ...
+    def wait_unblocked(self, timeout: float | None) -> None: ...
+    def error_for_caller(self) -> BaseException: ...
+
+
 def _consumer_tag(payload: bytes) -> str:
     """The first short string of a method's arguments (after its 4-byte class/method)."""
     return payload[5 : 5 + payload[4]].decode() if len(payload) > 4 else ""
@@ -52,10 +85,10 @@ def _consumer_tag(payload: bytes) -> str:
 class Channel(pyamqp.Channel):
     """kombu's py-amqp channel; see the module docstring for the threading contract."""
 
-    connection: Connection
+    connection: ChannelConnection
     _confirm_selected: bool
 
-    def __init__(self, connection: Connection, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, connection: ChannelConnection, *args: Any, **kwargs: Any) -> None:
         self.confirms = Confirms(connection.waiters)
         self._confirm_mode = False
         # Guards _close_error: set by the reading thread, taken (once) by a using thread.
@@ -64,13 +97,13 @@ class Channel(pyamqp.Channel):
         self._prepared: dict[int, Waiter] = {}  # thread id -> wait registered before writing
         # A Basic.Return read just before its message's ack (reading thread only).
         self._returned: tuple[bytes, Any] | None = None
-        self._ended_connection: Connection | None = None
+        self._ended_connection: ChannelConnection | None = None
         # Held by the thread that selects confirms (the first confirmed publish) until
         # SelectOk, so that racing threads send Confirm.Select once.
         self._confirm_lock = threading.Lock()
         super().__init__(connection, *args, **kwargs)
 
-    def _live_conn(self) -> Connection:
+    def _live_conn(self) -> ChannelConnection:
         """The connection; on a closed channel, raises the reason its connection ended
         (after ``close()``, ``ConnectionClosedIntentionally``: kombu does not reconnect),
         or a recoverable error naming that connection (so kombu's cleanup after it
@@ -101,7 +134,7 @@ class Channel(pyamqp.Channel):
         return super().close(*args, **kwargs)
 
     # -- waiting for replies ---------------------------------------------------------
-    def _expect(self, conn: Connection, methods: Any) -> Waiter:
+    def _expect(self, conn: ChannelConnection, methods: Any) -> Waiter:
         """Register a wait *before* the request is written (py-amqp issue 90)."""
         methods = tuple(methods) if isinstance(methods, list) else (methods,)
         waiter = Waiter(methods)
@@ -112,13 +145,13 @@ class Channel(pyamqp.Channel):
             waiter.fail(self._close_error)
         return waiter
 
-    def _forget(self, conn: Connection, waiter: Waiter) -> None:
+    def _forget(self, conn: ChannelConnection, waiter: Waiter) -> None:
         for method in waiter.methods:
             if self._pending.get(method) is waiter:
                 self._pending.pop(method, None)  # the reading thread may pop it first
         conn.waiters.discard(waiter)
 
-    def _await(self, waiter: Waiter, conn: Connection, timeout: float | None) -> Any:
+    def _await(self, waiter: Waiter, conn: ChannelConnection, timeout: float | None) -> Any:
         """Wait until ``waiter`` is filled; return its (method, args), or raise why not."""
         conn.reader.wait(waiter, None if timeout is None else monotonic() + timeout)
         if waiter.value is not None:
@@ -128,7 +161,7 @@ class Channel(pyamqp.Channel):
             self._raise_channel_error(conn, error)
         raise conn.error_for_caller()
 
-    def _raise_channel_error(self, conn: Connection, error: BaseException) -> None:
+    def _raise_channel_error(self, conn: ChannelConnection, error: BaseException) -> None:
         """Reopen the channel the broker closed (once, in this thread) and raise why."""
         with self._close_lock:
             mine = self._close_error is error
@@ -178,7 +211,12 @@ class Channel(pyamqp.Channel):
             self._forget(conn, waiter)
 
     def _finish_wait(
-        self, waiter: Waiter, conn: Connection, callback: Any, timeout: float | None, returns: bool
+        self,
+        waiter: Waiter,
+        conn: ChannelConnection,
+        callback: Any,
+        timeout: float | None,
+        returns: bool,
     ) -> Any:
         method_sig, args = self._await(waiter, conn, timeout)
         if callback is not None:

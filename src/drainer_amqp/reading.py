@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from time import monotonic
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from .framing import HEADER_SIZE, check_header
 from .sync import Awaitable, FairRLock
-
-if TYPE_CHECKING:
-    from .connection import Connection
 
 __all__ = ["LockReader", "Reader"]
 
@@ -61,13 +59,30 @@ class Reader(Protocol):
     def stats(self) -> dict[str, float | int | bool]: ...
 
 
+class LegacyConnection(Protocol):
+    """What :class:`LockReader` uses of its :class:`drainer_amqp.Connection`."""
+
+    transport: Any  # py-amqp's, read under transport_lock
+    transport_lock: Any
+    dispatching: int | None  # the thread dispatching now, under transport_lock
+    is_closing: bool
+    frame_max: int
+    on_inbound_frame: Callable[[Any], Any]
+
+    def raise_if_ended(self) -> None: ...
+    def end(self, reason: BaseException, release_by: float | None = None) -> None: ...
+    def as_connection_error(self, error: BaseException) -> BaseException: ...
+    def error_for_caller(self) -> BaseException: ...
+    def _close_socket(self) -> None: ...
+
+
 class LockReader:
     """Legacy mode: the thread that holds the transport lock reads."""
 
     owns_socket = False
     inbox_limit = 0
 
-    def __init__(self, connection: Connection) -> None:
+    def __init__(self, connection: LegacyConnection) -> None:
         self._conn = connection
 
     @property
@@ -139,7 +154,7 @@ class LockReader:
                 raise TimeoutError()
 
 
-def read_frame(conn: Connection, timeout: float | None) -> None:
+def read_frame(conn: LegacyConnection, timeout: float | None) -> None:
     """Legacy: read one frame with py-amqp's transport and dispatch it.
 
     As py-amqp's ``blocking_read``, except that the header is checked
