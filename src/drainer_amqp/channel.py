@@ -65,19 +65,13 @@ class ChannelConnection(Protocol):
         *,
         number: Callable[[], Any] | None = None,
         timeout: float | None = None,
-    ) -> None: ...
-    def send_encoded(
-        self,
-        chunks: list[bytes | memoryview],
-        *,
-        number: Callable[[], Any] | None = None,
-        timeout: float | None = None,
+        encoded: list[bytes | memoryview] | None = None,
     ) -> None: ...
     def wait_unblocked(self, timeout: float | None) -> None: ...
     def error_for_caller(self) -> BaseException: ...
 
 
-def _consumer_tag(payload: bytes) -> str:
+def first_short_string(payload: bytes) -> str:
     """The first short string of a method's arguments (after its 4-byte class/method)."""
     return payload[5 : 5 + payload[4]].decode() if len(payload) > 4 else ""
 
@@ -284,13 +278,11 @@ class Channel(pyamqp.Channel):
         elif method_sig not in _QUEUED:
             return super().dispatch_method(method_sig, payload, content)
         waiter = self._pending.pop(method_sig, None)  # CancelOk: basic_cancel waits for it
-        key = (
-            self.channel_id,
-            _consumer_tag(payload) if method_sig in _QUEUED_BY_CONSUMER else None,
-        )
+        consumer = first_short_string(payload) if method_sig in _QUEUED_BY_CONSUMER else None
+        key = (self.channel_id, consumer)
         self.connection.inbox.post(key, super().dispatch_method, method_sig, payload, content)
         if waiter is not None:
-            waiter(method_sig, _consumer_tag(payload))
+            waiter(method_sig, first_short_string(payload))
 
     def _settle_returned(self, method_sig: tuple[int, int], delivery_tag: int) -> None:
         """A message returned with no ``basic_return`` listener: as stock py-amqp, which
@@ -404,19 +396,23 @@ class Channel(pyamqp.Channel):
                 tag = self.confirms.number(waiter)
 
         encoder = conn.publish_encoder
-        chunks = None
+        chunks = args = None
         if encoder is not None and argsig == "Bssbb":
             chunks = encoder.encode(
                 self.channel_id, exchange, routing_key, mandatory, immediate, msg
             )
+        if chunks is None:
+            args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
         try:
-            if chunks is not None:
-                conn.send_encoded(chunks, number=number, timeout=timeout)
-            else:
-                args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
-                conn.send_frames(
-                    self.channel_id, spec.Basic.Publish, args, msg, number=number, timeout=timeout
-                )
+            conn.send_frames(
+                self.channel_id,
+                spec.Basic.Publish,
+                args,
+                msg,
+                number=number,
+                timeout=timeout,
+                encoded=chunks,
+            )
         except TimeoutError as exc:
             self.confirms.drop(tag)
             raise RecoverableConnectionError("basic_publish: timed out") from exc

@@ -1,15 +1,11 @@
 """``Connection``: py-amqp's, made safe to share between threads.
 
-The mode is the connection's :class:`~drainer_amqp.reading.Reader`, chosen with
-``dedicated_drainer``: legacy (``False``, the default; callers' threads read the socket
-in turn, heartbeats are the caller's, as with stock py-amqp) or a
-:class:`~drainer_amqp.drainer.Drainer` thread that reads and sends heartbeats. Shared by
-both: replies and confirms are registered before the request is written (:mod:`.waits`),
-writes go through one group-committing :class:`~.writer.Writer`, user callbacks wait in
-an :class:`~.waits.Inbox` for ``drain_events()``, and :meth:`Connection.end` is the one
-end: it records why, wakes every waiter, and (on a failure) lets the socket go.
-
-The threading contract: docs/threading.md.
+The mode is the connection's :class:`~drainer_amqp.reading.Reader`, chosen once with
+``dedicated_drainer``: legacy (the default) or a :class:`~drainer_amqp.drainer.Drainer`.
+Shared by both: waits registered before their request is written (:mod:`.waits`), one
+group-committing :class:`~.writer.Writer`, an :class:`~.waits.Inbox` of user callbacks
+for ``drain_events()``, and :meth:`Connection.end`, the one shutdown. The threading
+contract: docs/threading.md.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from time import monotonic, perf_counter
+from types import SimpleNamespace
 from typing import Any
 
 import amqp
@@ -30,7 +27,7 @@ from amqp.exceptions import AMQPError, ConnectionForced, RecoverableConnectionEr
 from amqp.method_framing import frame_writer as amqp_frame_writer
 from amqp.serialization import dumps
 
-from .channel import Channel
+from .channel import CLOSE_TIMEOUT, Channel, first_short_string
 from .drainer import Drainer
 from .encoding import PublishEncoder
 from .errors import ConnectionBlocked, ConnectionClosedIntentionally, ConnectionLost, tag
@@ -44,8 +41,6 @@ __all__ = ["CLOSE_TIMEOUT", "Connection"]
 
 logger = logging.getLogger(__name__)
 
-#: One deadline for all of close(): CloseOk, the drainer's join and the socket's lock.
-CLOSE_TIMEOUT = 5.0
 #: How long a publish waits while the broker has blocked the connection.
 BLOCKED_TIMEOUT = 10.0
 #: How many callbacks may wait for ``drain_events()`` before the drainer stops reading
@@ -55,18 +50,6 @@ INBOX_LIMIT = 10_000
 #: Methods still handled after we sent ``Connection.Close``: everything else is
 #: discarded, as AMQP 0-9-1 requires.
 _HANDLED_WHILE_CLOSING = frozenset((spec.Connection.Close, spec.Connection.CloseOk))
-
-
-class _FrameCollector:
-    """A stand-in transport for py-amqp's frame writer: keeps what it writes."""
-
-    __slots__ = ("chunks",)
-
-    def __init__(self) -> None:
-        self.chunks: list[bytes | memoryview] = []
-
-    def write(self, data: bytes | memoryview) -> None:
-        self.chunks.append(bytes(data))  # py-amqp reuses its buffer: copy
 
 
 class Connection(amqp.Connection):
@@ -139,8 +122,10 @@ class Connection(amqp.Connection):
     def _writer_for(self, connection: Connection, transport: Any) -> Callable[..., None]:
         """py-amqp's frame-writer hook, called at connect: frames are encoded by py-amqp's
         writer (or the caller's own ``frame_writer``) and sent whole by the Writer."""
-        self._collector = _FrameCollector()
-        self._encode = self._frame_writer_cls(connection, self._collector)
+        self._encoded: list[bytes | memoryview] = []  # what it wrote; under _encode_lock
+        # A stand-in transport that keeps a copy (py-amqp's writer reuses its buffer).
+        out = SimpleNamespace(write=lambda data: self._encoded.append(bytes(data)))
+        self._encode = self._frame_writer_cls(connection, out)
         self.writer = Writer(transport.sock, self.io_lock, self._write_failed)
         return self._write_frame
 
@@ -163,32 +148,21 @@ class Connection(amqp.Connection):
         type_: int = 1,
         block: bool = True,
         last: Callable[[], BaseException] | None = None,
+        encoded: list[bytes | memoryview] | None = None,
     ) -> None:
         """Encode one method (with its content, if any) and send its frames whole, after
-        everything sent before; see :meth:`Writer.send` for ``number``, ``block`` and
-        ``last``."""
+        everything sent before; ``encoded``: its frames, encoded already (by
+        ``publish_encoder``). See :meth:`Writer.send` for ``number``, ``block``, ``last``."""
         writer = self.writer
         if writer is None:
             raise self.error_for_caller()
-        collector = self._collector
-        with self._encode_lock:
-            self._encode(type_, channel, method_sig, args, content)
-            chunks, collector.chunks = collector.chunks, []
-        writer.send(chunks, number=number, timeout=timeout, block=block, last=last)
-
-    def send_encoded(
-        self,
-        chunks: list[bytes | memoryview],
-        *,
-        number: Callable[[], Any] | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        """As :meth:`send_frames`, for frames encoded already (``publish_encoder``)."""
-        writer = self.writer
-        if writer is None:
-            raise self.error_for_caller()
-        self.bytes_sent += 1  # as py-amqp's frame writer: heartbeats watch it change
-        writer.send(chunks, number=number, timeout=timeout)
+        if encoded is None:
+            with self._encode_lock:
+                self._encode(type_, channel, method_sig, args, content)
+                encoded, self._encoded = self._encoded, []
+        else:
+            self.bytes_sent += 1  # as py-amqp's frame writer: heartbeats watch it change
+        writer.send(encoded, number=number, timeout=timeout, block=block, last=last)
 
     def connect(self, callback: Callable[[], Any] | None = None) -> Any:
         try:
@@ -270,11 +244,9 @@ class Connection(amqp.Connection):
         ``reason``, fails the writer, wakes every waiter; on a failure the reader stops
         and the socket goes; ``release_by``: reader, socket, channels released by then.
 
-        The first reason wins: a failure stays the reason even when ``close()`` or
-        ``collect()`` follow it (kombu calls both on a failed connection, in ``ensure()``
-        and in a failover's ``switch()``, and other threads must still see a recoverable
-        error).
-        """
+        The first reason wins: a failure stays the reason through a later ``close()`` or
+        ``collect()`` (kombu's ``ensure()`` and ``switch()``), so other threads still see
+        a recoverable error."""
         with self._state_lock:
             first = self.reason is None
             if first:
@@ -337,14 +309,9 @@ class Connection(amqp.Connection):
         method_sig: tuple[int, int] = (0, 0),
         argsig: str = "BsBB",
     ) -> None:
-        """Close the connection: ``Connection.Close``, then wait for ``CloseOk``, stop the
-        drainer and close the socket, all within one deadline of ``CLOSE_TIMEOUT``.
-
-        Idempotent and safe from any thread. On a live connection every waiting thread
-        wakes with :class:`ConnectionClosedIntentionally`; on one that has already ended
-        it only releases the resources, and the failure stays the reason. In legacy mode,
-        while another thread is blocked reading the socket, it closes the socket without
-        the handshake (the broker logs an unexpected close)."""
+        """``Connection.Close``, then wait for ``CloseOk``, stop the reader and close the
+        socket, all within one deadline of ``CLOSE_TIMEOUT``; on a connection that ended
+        already, only the release. From any thread, idempotent: docs/threading.md."""
         deadline = monotonic() + CLOSE_TIMEOUT
         if not self._close_lock.acquire(timeout=CLOSE_TIMEOUT):
             return  # another thread is closing it, within the same bound
@@ -379,11 +346,8 @@ class Connection(amqp.Connection):
             self._closed_ok(spec.Connection.CloseOk)
 
     def collect(self) -> None:
-        """Tear down without the close handshake (kombu calls this after errors).
-
-        On a healthy connection every waiter wakes with
-        :class:`ConnectionClosedIntentionally`; on one that already failed, the failure
-        stays the reason, so kombu's retry logic keeps retrying."""
+        """Tear down without the close handshake (kombu calls this after errors); a
+        failure stays the reason, so kombu keeps retrying."""
         self.end(ConnectionClosedIntentionally("connection collected"), monotonic() + CLOSE_TIMEOUT)
 
     def _release(self, deadline: float) -> None:
@@ -424,9 +388,7 @@ class Connection(amqp.Connection):
         if error is not None:
             self.end(self.as_connection_error(error))
         if not isinstance(self.reason, ConnectionClosedIntentionally):
-            # Failed: release the socket now, not when kombu gets round to collect()
-            # (it may just drop the connection).
-            self._close_socket()
+            self._close_socket()  # failed: let the socket go now (as end() does, by its reader)
         if self._closed_ok is not None:
             self._closed_ok.fail()  # a close() in progress need not wait any longer
 
@@ -444,8 +406,7 @@ class Connection(amqp.Connection):
 
     def dispatch_method(self, method_sig: tuple[int, int], payload: bytes, content: Any) -> None:
         if method_sig == spec.Connection.Blocked:
-            # After the 4-byte class/method: the reason, a short string.
-            self._blocked_reason = payload[5 : 5 + payload[4]].decode() if len(payload) > 4 else ""
+            self._blocked_reason = first_short_string(payload)
             self._unblocked.clear()
         elif method_sig == spec.Connection.Unblocked:
             self._unblocked.set()

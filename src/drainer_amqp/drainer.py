@@ -59,9 +59,6 @@ class DrainerStats:
     heartbeats_received: int = 0
     dispatches: int = 0
 
-    def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
-
 
 class Drainer:
     """Drainer mode's :class:`~drainer_amqp.reading.Reader`: once started, reads ``sock``
@@ -75,7 +72,7 @@ class Drainer:
         self._sink = sink
         self.inbox_limit = inbox_limit
         self._wake: Signal | None = None  # from start(): makes the select return
-        self._stopping = False  # set once by request_stop(), read by the thread
+        self._stopping = False  # set once by stop_reading(), read by the thread
         self._counts = DrainerStats()  # written by the thread only
         self.thread: threading.Thread | None = None
 
@@ -100,21 +97,16 @@ class Drainer:
         if self._wake is not None:
             self._wake.set()
 
-    def request_stop(self) -> None:
+    def stop_reading(self) -> None:
         """Ask the thread to exit soon (it then closes the socket); do not wait (safe from
         any thread)."""
         self._stopping = True
         self.wake()
 
-    stop_reading = request_stop
-
     def stop(self, timeout: float) -> bool:
-        """Ask the thread to exit and join it for at most ``timeout`` seconds.
-
-        Returns whether the thread has ended, or will end at once when called from
-        the drainer thread itself.
-        """
-        self.request_stop()
+        """Ask the thread to exit and join it for at most ``timeout`` seconds; whether it
+        has ended (or, called from the thread itself, will at once)."""
+        self.stop_reading()
         if self.thread is None or threading.current_thread() is self.thread:
             return True
         self.thread.join(timeout)
@@ -128,7 +120,7 @@ class Drainer:
 
     def stats(self) -> dict[str, float | int | bool]:
         running = self.thread is not None and self.thread.is_alive()
-        return {"running": running, **self._counts.as_dict()}
+        return {"running": running, **asdict(self._counts)}
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         """The :class:`~drainer_amqp.reading.Reader` seam: this thread reads, so a caller

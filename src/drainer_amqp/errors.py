@@ -8,9 +8,8 @@ Every thread that waits on a connection sees the same reason when it ends:
 * ``ConnectionBlocked`` when a publish waited too long on a connection the broker has
   blocked (a memory or disk alarm). Recoverable: kombu retries it by its retry policy.
 * ``ConnectionClosedIntentionally`` after ``close()`` (or ``collect()`` of a healthy
-  connection). It derives from
-  nothing in the transport's ``connection_errors``, ``recoverable_connection_errors``
-  or ``channel_errors``, so nothing in kombu reconnects after a deliberate shutdown.
+  connection). It derives from nothing in the transport's ``connection_errors``,
+  ``recoverable_connection_errors`` or ``channel_errors``, so kombu does not reconnect.
 
 What kombu does with each: docs/errors.md; the threading contract: docs/threading.md.
 """

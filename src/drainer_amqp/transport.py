@@ -6,30 +6,16 @@ the transport option ``dedicated_drainer``. Importing this package also register
 URL schemes ``drainer-amqp://`` and ``drainer-amqps://``, which survive kombu's failover
 (``Connection.switch`` re-reads the transport from each URL's scheme).
 
-Many threads, one ``kombu.Connection``: when a link fails, every thread on it sees the
-failure, and each one's ``ensure()`` calls ``collect()`` and reconnects. Two rules keep
-that converging on one live connection:
+When a link fails, every thread on the ``kombu.Connection`` reconnects through its own
+``ensure()``; they converge on one live connection (docs/errors.md, "Many threads, one
+reconnect"): reconnects of one ``kombu.Connection`` take turns, and kombu's cleanup
+(``collect()``, a failover's ``switch()``) in a thread whose error came from another
+connection than kombu's current one leaves that live one alone (kombu forgets it; the
+thread's next reconnect takes it up again). A ``collect()`` while kombu handles a
+recoverable error ends the connection as failed, so the other threads on it retry.
 
-* kombu's cleanup in a thread whose error came from *another* connection than the one
-  kombu now holds leaves the live connection alone: a ``collect()`` by a thread that was
-  slower to notice the failure while another one already reconnected, and a failover's
-  ``switch()`` after this thread's own reconnect failed (it would close the live
-  connection and its default channel). kombu then forgets the live connection, and the
-  thread's next reconnect takes it up again (below).
-* Reconnects of one ``kombu.Connection`` are serialised: a thread that reconnects after
-  another one already did gets that live connection instead of opening one more.
-
-A ``collect()`` that kombu makes while it handles a recoverable connection error of the
-live connection (``ensure()``, ``autoretry``) ends it as failed, not as closed
-intentionally: the other threads on it see a recoverable error and retry. Only
-``close()``/``release()``, or a ``collect()`` with no such error (a pool's teardown),
-closes intentionally.
-
-kombu's event loop (the Hub, used by the Celery worker): in drainer mode the socket
-belongs to the drainer thread, so the Hub watches :meth:`Connection.inbox_fileno`
-instead and runs queued callbacks in the Hub thread. Heartbeats are the drainer's,
-so the Hub's periodic ``heartbeat_check`` only reports a failed link.
-
+kombu's Hub (the Celery worker's loop): in drainer mode the socket is the drainer's, so
+the Hub watches :meth:`Connection.inbox_fileno` and runs queued callbacks in its thread.
 The threading contract: docs/threading.md.
 """
 
