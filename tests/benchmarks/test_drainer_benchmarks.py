@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import amqp
 import pytest
 from support.broker import BROKER_HOST, unique_name, wait_until
+from support.threads import Drain
 
 from benchmarks import QUICK, blocked_in, connect, interleaved
 from benchmarks.report import Collector, Section, Target, fmt_ms, fmt_ratio, ratio, summarize
@@ -55,7 +56,8 @@ def run_round(mode: str, with_consumer: bool = True) -> RoundResult:
     result = RoundResult(mode)
     conn = connect(mode, host=BROKER_HOST)
     stop = threading.Event()
-    threads: list[threading.Thread] = []
+    drain = Drain(conn, timeout=1, name=f"bench-consumer-{mode}")
+    publisher: threading.Thread | None = None
     try:
         consumer_channel = conn.channel()
         queue = consumer_channel.queue_declare("", exclusive=True, auto_delete=True)[0]
@@ -63,16 +65,6 @@ def run_round(mode: str, with_consumer: bool = True) -> RoundResult:
         publish_channel = conn.channel()
         routing_key = unique_name("bench-nowhere")
         body = amqp.Message(b"x" * 64)
-
-        def consume() -> None:
-            try:
-                while not stop.is_set():
-                    try:
-                        conn.drain_events(timeout=1)
-                    except TimeoutError:
-                        pass
-            except BaseException as exc:  # noqa: BLE001 - reported by the test
-                result.consumer_error = exc
 
         def publish() -> None:
             try:
@@ -90,23 +82,25 @@ def run_round(mode: str, with_consumer: bool = True) -> RoundResult:
                 result.publisher_error = exc
 
         if with_consumer:
-            consumer = threading.Thread(target=consume, name=f"bench-consumer-{mode}")
-            threads.append(consumer)
-            consumer.start()
-            assert wait_until(lambda: blocked_in(consumer, {"drain_events"}), 5), (
+            drain.start()
+            assert wait_until(lambda: blocked_in(drain.thread, {"drain_events"}), 5), (
                 "the consumer thread never blocked in drain_events"
             )
         publisher = threading.Thread(target=publish, name=f"bench-publisher-{mode}")
-        threads.append(publisher)
         publisher.start()
         publisher.join(WINDOW + 10)
         assert not publisher.is_alive(), f"{mode}: publisher still running after the window"
     finally:
         stop.set()
-        for thread in threads:
-            thread.join(5)
-        conn.close()
-    assert not any(t.is_alive() for t in threads), f"{mode}: a benchmark thread did not stop"
+        try:
+            if drain.thread.ident is not None:  # started
+                drain.stop()  # fails if it did not stop
+                result.consumer_error = drain.error
+        finally:
+            if publisher is not None:
+                publisher.join(5)
+            conn.close()
+    assert publisher is None or not publisher.is_alive(), f"{mode}: the publisher did not stop"
     assert result.consumer_error is None, f"{mode}: consumer failed: {result.consumer_error!r}"
     assert result.publisher_error is None, f"{mode}: publisher failed: {result.publisher_error!r}"
     return result

@@ -24,6 +24,7 @@ import amqp
 import psutil
 import pytest
 from support.broker import BROKER_HOST, unique_name, wait_until
+from support.threads import Drain
 from support.toxiproxy.fixtures import ProxiedBroker
 
 from benchmarks import QUICK, blocked_in, connect, interleaved
@@ -65,8 +66,7 @@ def deliver_once(mode: str, proxied: ProxiedBroker, body: bytes) -> Delivery:
     admin = amqp.Connection(host=BROKER_HOST)
     admin.connect()
     conn = None
-    consumer: threading.Thread | None = None
-    stop = threading.Event()
+    drain: Drain | None = None
     delivered = threading.Event()
     received: list[bytes] = []
     try:
@@ -81,17 +81,9 @@ def deliver_once(mode: str, proxied: ProxiedBroker, body: bytes) -> Delivery:
 
         channel.basic_consume(queue, callback=on_message, no_ack=True)
 
-        def consume() -> None:
-            deadline = time.monotonic() + DELIVERY_TIMEOUT + 10
-            # Runs until stop, not until delivery: its CPU clock is read after delivery.
-            while not stop.is_set() and time.monotonic() < deadline:
-                try:
-                    conn.drain_events(timeout=1)
-                except TimeoutError:
-                    pass
-
-        consumer = threading.Thread(target=consume, name=f"bench-frag-consumer-{mode}")
-        consumer.start()
+        # Runs until stopped, not until delivery: its CPU clock is read after delivery.
+        drain = Drain(conn, timeout=1, name=f"bench-frag-consumer-{mode}").start()
+        consumer = drain.thread
         assert wait_until(lambda: blocked_in(consumer, {"drain_events"}), 5)
         proxied.proxy.add_toxic(
             name="bandwidth", type="bandwidth", stream="downstream", attributes={"rate": 16}
@@ -120,18 +112,19 @@ def deliver_once(mode: str, proxied: ProxiedBroker, body: bytes) -> Delivery:
             result.drainer_reads = int(conn.drainer_stats().get("reads", 0))
         result.whole = received == [body]
     finally:
-        stop.set()
-        if consumer is not None:
-            consumer.join(5)
-        for name in list(proxied.proxy.toxics()):
-            proxied.proxy.destroy_toxic(name)
-        if conn is not None:
-            conn.close()
         try:
-            admin.channel().queue_delete(queue)
+            if drain is not None:
+                drain.stop()  # fails if it did not stop
         finally:
-            admin.close()
-    assert consumer is None or not consumer.is_alive(), f"{mode}: consumer did not stop"
+            for name in list(proxied.proxy.toxics()):
+                proxied.proxy.destroy_toxic(name)
+            if conn is not None:
+                conn.close()
+            try:
+                admin.channel().queue_delete(queue)
+            finally:
+                admin.close()
+    assert drain is None or drain.error is None, f"{mode}: drain_events raised {drain.error!r}"
     return result
 
 
