@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create the environment and run the benchmarks (the README's first command): the
 # drainer against legacy mode, and (benchmarks A-E) against stock kombu/py-amqp and
-# amqpstorm in the same run. Full mode by default (about 10 minutes), then a short soak
+# amqpstorm in the same run. Full mode by default (about 13 minutes), then a short soak
 # (scripts/soak.sh: four runs of SOAK_SECONDS, default 30 here, about 4 minutes;
 # SOAK_SECONDS=600 for the long soak, about 42 minutes; SOAK_SECONDS=0 skips it);
 # DRAINER_BENCH_QUICK=1 for the short CI variant (no soak).
