@@ -19,8 +19,8 @@ from support.broker import JOIN
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, reading
 from drainer_amqp.channel import Channel
-from drainer_amqp.reading import LockReader
-from drainer_amqp.sync import Signal
+from drainer_amqp.reading import LegacyReader
+from drainer_amqp.sync import SelfPipe
 
 MODES = ["legacy", "drainer"]
 
@@ -119,12 +119,12 @@ def test_forgetting_a_wait_the_reader_just_took_is_no_key_error(
     assert spec.Basic.QosOk not in channel._pending
 
 
-# -- R4: a set() that lands inside Signal.clear() --------------------------------------
+# -- R4: a set() that lands inside SelfPipe.clear() --------------------------------------
 
 
 @pytest.mark.parametrize("lands", ["before the pipe is emptied", "after the pipe is emptied"])
 def test_a_set_during_clear_leaves_the_signal_readable(lands: str, switching: None) -> None:
-    signal = Signal()
+    signal = SelfPipe()
     pipe = signal._r
 
     def set_from_another_thread() -> None:
@@ -194,16 +194,16 @@ def test_legacy_close_keeps_its_deadline_when_a_reader_takes_the_lock_just_after
     conn = connect("legacy")
     gate = GatedLock(conn.transport_lock, "reader")
     conn.transport_lock = gate  # type: ignore[assignment]
-    reading = LockReader.reading
+    reading = LegacyReader.reading
 
-    def look(self: LockReader) -> bool:
+    def look(self: LegacyReader) -> bool:
         answer = reading.fget(self)  # type: ignore[attr-defined]
         if threading.current_thread().name == "closer":
             gate.go.set()  # the reader takes the lock now, just after close() looked
             assert gate.taken.wait(JOIN)
         return bool(answer)
 
-    monkeypatch.setattr(LockReader, "reading", property(look))
+    monkeypatch.setattr(LegacyReader, "reading", property(look))
     reader, read = start(conn.drain_events, "reader")  # no timeout, no heartbeat
     closer, _ = start(conn.close, "closer")
     closer.join(JOIN)

@@ -32,7 +32,7 @@ from .drainer import Drainer
 from .encoding import PublishEncoder
 from .errors import ConnectionBlocked, ConnectionClosedIntentionally, ConnectionLost, tag
 from .framing import Frame
-from .reading import LockReader, Reader
+from .reading import LegacyReader, Reader
 from .sync import Waiter
 from .waits import Inbox, Waiters
 from .writer import Writer
@@ -84,10 +84,12 @@ class Connection(amqp.Connection):
         self.dedicated_drainer = dedicated_drainer
         self.blocked_timeout = float(blocked_timeout)
         self.reason: BaseException | None = None  # why it ended; written once by end()
-        self._told = False  # a caller was raised the reason (see connected); set once
+        self._reported = False  # a caller was raised the reason (see connected); set once
         self.waiters = Waiters()
         # The mode: the one place that asks dedicated_drainer.
-        self.reader: Reader = Drainer(self, inbox_limit) if dedicated_drainer else LockReader(self)
+        self.reader: Reader = (
+            Drainer(self, inbox_limit) if dedicated_drainer else LegacyReader(self)
+        )
         self.inbox = Inbox(self.reader.inbox_limit, self.reader.wake)
         self.writer: Writer | None = None
         # Encodes Basic.Publish as py-amqp's frame writer would, faster; None while not
@@ -98,7 +100,7 @@ class Connection(amqp.Connection):
         self.messages_sent = 0  # publishes queued to the writer, under its lock (stats)
         # The thread dispatching frames now, under the transport lock. Its replies never
         # wait in the writer: in legacy mode the leader may be waiting for that lock.
-        self.dispatching: int | None = None
+        self.dispatching_thread: int | None = None
         self._init_locks()
         super().__init__(*args, **kwargs)
         # A caller's own frame_writer is kept: it encodes, the Writer sends.
@@ -133,7 +135,7 @@ class Connection(amqp.Connection):
         self, type_: int, channel: int, method_sig: Any, args: Any, content: Any
     ) -> None:
         # Heartbeats and the reader's own replies are appended without waiting.
-        block = type_ != 8 and self.dispatching != threading.get_ident()
+        block = type_ != 8 and self.dispatching_thread != threading.get_ident()
         self.send_frames(channel, method_sig, args, content, type_=type_, block=block)
 
     def send_frames(
@@ -204,7 +206,7 @@ class Connection(amqp.Connection):
             return False
         if self.reason is None:
             return bool(transport.connected)
-        return not self._told and not isinstance(self.reason, ConnectionClosedIntentionally)
+        return not self._reported and not isinstance(self.reason, ConnectionClosedIntentionally)
 
     # -- the interface channels use ------------------------------------------------------
     def raise_if_ended(self) -> None:
@@ -218,7 +220,7 @@ class Connection(amqp.Connection):
         reason = self.reason
         if reason is None:
             return RecoverableConnectionError("connection already closed")
-        self._told = True
+        self._reported = True
         error = copy.copy(reason)
         error.__cause__ = reason.__cause__
         tag(error, self)
@@ -367,12 +369,12 @@ class Connection(amqp.Connection):
         on_frame = self.on_inbound_frame
         with self.transport_lock:
             start = perf_counter()
-            self.dispatching = threading.get_ident()
+            self.dispatching_thread = threading.get_ident()
             try:
                 for frame in frames:
                     on_frame(frame)
             finally:
-                self.dispatching = None
+                self.dispatching_thread = None
                 self._lock_held += perf_counter() - start
 
     def try_send_heartbeat(self) -> bool:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from .errors import ConnectionLost, HeartbeatTimeout, MalformedFrame
 from .framing import Frame, FrameAssembler
-from .sync import Awaitable, Signal
+from .sync import Awaitable, SelfPipe
 
 __all__ = ["Drainer", "DrainerStats", "DrainerSink"]
 
@@ -71,7 +71,7 @@ class Drainer:
     def __init__(self, sink: DrainerSink, inbox_limit: int) -> None:
         self._sink = sink
         self.inbox_limit = inbox_limit
-        self._wake: Signal | None = None  # from start(): makes the select return
+        self._wake: SelfPipe | None = None  # from start(): makes the select return
         self._stopping = False  # set once by stop_reading(), read by the thread
         self._counts = DrainerStats()  # written by the thread only
         self.thread: threading.Thread | None = None
@@ -86,7 +86,7 @@ class Drainer:
         """Start reading ``sock`` in a thread named ``name`` (once)."""
         if self.thread is None:
             self._sock, self._tls = sock, isinstance(sock, ssl.SSLSocket)
-            self._wake = Signal()  # the thread closes it as it exits
+            self._wake = SelfPipe()  # the thread closes it as it exits
             self._assembler = FrameAssembler(frame_max)
             self._heartbeat = float(heartbeat or 0)
             self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -148,7 +148,7 @@ class Drainer:
         finally:
             self.close()  # the wake-up pair goes with the thread, whoever stopped it
 
-    def _loop(self, selector: selectors.BaseSelector, wake: Signal) -> None:
+    def _loop(self, selector: selectors.BaseSelector, wake: SelfPipe) -> None:
         now = monotonic()
         last_recv = last_sent = now
         seen_sent = self._sink.bytes_sent

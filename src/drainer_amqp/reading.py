@@ -2,7 +2,7 @@
 
 A thread that needs something from the broker (a reply, a confirm, a queued callback)
 registers an :class:`~drainer_amqp.sync.Awaitable` and calls ``reader.wait(it,
-deadline)``. Legacy mode (:class:`LockReader`): the waiting thread reads frames itself,
+deadline)``. Legacy mode (:class:`LegacyReader`): the waiting thread reads frames itself,
 under the transport lock, until its awaitable is ready, as stock py-amqp does; whoever
 reads a frame dispatches it. Drainer mode: :class:`~drainer_amqp.drainer.Drainer`.
 """
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from .framing import HEADER_SIZE, check_header
 from .sync import Awaitable, FairRLock
 
-__all__ = ["LockReader", "Reader"]
+__all__ = ["LegacyReader", "Reader"]
 
 
 class Reader(Protocol):
@@ -60,11 +60,11 @@ class Reader(Protocol):
 
 
 class LegacyConnection(Protocol):
-    """What :class:`LockReader` uses of its :class:`drainer_amqp.Connection`."""
+    """What :class:`LegacyReader` uses of its :class:`drainer_amqp.Connection`."""
 
     transport: Any  # py-amqp's, read under transport_lock
     transport_lock: Any
-    dispatching: int | None  # the thread dispatching now, under transport_lock
+    dispatching_thread: int | None  # the thread dispatching now, under transport_lock
     is_closing: bool
     frame_max: int
     on_inbound_frame: Callable[[Any], Any]
@@ -76,7 +76,7 @@ class LegacyConnection(Protocol):
     def _close_socket(self) -> None: ...
 
 
-class LockReader:
+class LegacyReader:
     """Legacy mode: the thread that holds the transport lock reads."""
 
     owns_socket = False
@@ -87,7 +87,7 @@ class LockReader:
 
     @property
     def reading(self) -> bool:
-        return self._conn.dispatching is not None  # only this reader dispatches in legacy
+        return self._conn.dispatching_thread is not None  # only this reader dispatches in legacy
 
     def new_locks(self) -> tuple[Any, Any]:
         # The transport lock, handed over in turn, also guards writes: a reader changes
@@ -129,7 +129,7 @@ class LockReader:
                 if not closing:
                     conn.raise_if_ended()
                 remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
-                conn.dispatching = threading.get_ident()
+                conn.dispatching_thread = threading.get_ident()
                 try:
                     # close() sets is_closing, then asks whether we read: one of us sees
                     # the other. It writes Connection.Close under this lock, then ends
@@ -138,7 +138,7 @@ class LockReader:
                     if not stand_by:
                         read_frame(conn, remaining)  # at least one read, even at the deadline
                 finally:
-                    conn.dispatching = None
+                    conn.dispatching_thread = None
             except TimeoutError:
                 raise TimeoutError() from None
             except Exception as exc:  # noqa: BLE001 - any read failure ends the connection

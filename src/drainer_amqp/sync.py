@@ -1,7 +1,7 @@
 """The synchronisation primitives of the library, all in one place.
 
 * :class:`Waiter`: one thread's wait for one thing (a reply, a confirm, CloseOk).
-* :class:`Signal`: a self-pipe, for event loops and the drainer's ``select``.
+* :class:`SelfPipe`: a self-pipe, for event loops and the drainer's ``select``.
 * :class:`FairRLock`: the legacy transport lock, handed to waiters in arrival order.
 """
 
@@ -12,7 +12,7 @@ import threading
 from collections import deque
 from typing import Any, Protocol
 
-__all__ = ["Awaitable", "FairRLock", "Signal", "Waiter"]
+__all__ = ["Awaitable", "FairRLock", "SelfPipe", "Waiter"]
 
 
 class Awaitable(Protocol):
@@ -74,7 +74,7 @@ class Waiter:
         return self.done
 
 
-class Signal:
+class SelfPipe:
     """A self-pipe: readable after :meth:`set` until :meth:`clear`. Thread-safe."""
 
     def __init__(self) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable
 from time import monotonic
 from typing import Any
 
-from .sync import Signal, Waiter
+from .sync import SelfPipe, Waiter
 
 __all__ = ["Confirms", "Inbox", "Waiters"]
 
@@ -156,7 +156,7 @@ class Inbox:
         self._items: deque[Callback] = deque()
         self._ended = False
         self._run_lock = threading.RLock()  # one callback at a time, in arrival order
-        self._signal: Signal | None = None  # for event loops; see signal()
+        self._signal: SelfPipe | None = None  # for event loops; see signal()
 
     # -- the reading thread ------------------------------------------------------------
     def post(self, key: Hashable, function: Callable[..., Any], *args: Any) -> None:
@@ -230,11 +230,11 @@ class Inbox:
         return item
 
     # -- event loops -------------------------------------------------------------------
-    def signal(self) -> Signal:
-        """A :class:`Signal` set whenever a callback is queued or the connection ends."""
+    def signal(self) -> SelfPipe:
+        """A :class:`SelfPipe` set whenever a callback is queued or the connection ends."""
         with self._ready:
             if self._signal is None:
-                self._signal = Signal()
+                self._signal = SelfPipe()
             signal = self._signal
         if self.ready():
             signal.set()
