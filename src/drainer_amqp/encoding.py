@@ -72,16 +72,7 @@ def _table(table: dict[Any, Any]) -> bytes | None:
             if head is None:
                 return None
         append(head)
-        kind = type(value)  # the common values inline; the rest in _item
-        if kind is str:
-            data = value.encode("utf-8", "surrogatepass")
-            append(_STR_HEAD(b"S", len(data)))
-            append(data)
-        elif value is None:
-            append(b"V")
-        elif kind is int and -2147483647 <= value <= 2147483647:
-            append(_INT(b"I", value))
-        elif not _item(value, append):
+        if not _item(value, append):
             return None
     data = b"".join(parts)
     return _U32.pack(len(data)) + data
@@ -101,16 +92,6 @@ def _key(key: Any) -> bytes | None:
     if type(key) is str:
         _remember(_KEYS, key, head, 4 * CACHE_SIZE)
     return head
-
-
-def _array(values: list[Any] | tuple[Any, ...]) -> bytes | None:
-    parts: list[bytes] = []
-    append = parts.append
-    for value in values:
-        if not _item(value, append):
-            return None
-    data = b"".join(parts)
-    return _U32.pack(len(data)) + data
 
 
 def _item(value: Any, append: Any) -> bool:
@@ -144,10 +125,11 @@ def _item(value: Any, append: Any) -> bool:
         append(b"F")
         append(data)
     elif kind is list or kind is tuple:
-        data = _array(value)
-        if data is None:
+        parts: list[bytes] = []
+        if not all(_item(item, parts.append) for item in value):
             return False
-        append(b"A")
+        data = b"".join(parts)
+        append(_STR_HEAD(b"A", len(data)))
         append(data)
     else:
         return False
