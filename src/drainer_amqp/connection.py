@@ -10,6 +10,7 @@ contract: docs/threading.md.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
@@ -310,12 +311,14 @@ class Connection(amqp.Connection):
         reply_text: str = "",
         method_sig: tuple[int, int] = (0, 0),
         argsig: str = "BsBB",
+        *,
+        timeout: float = CLOSE_TIMEOUT,
     ) -> None:
         """``Connection.Close``, then wait for ``CloseOk``, stop the reader and close the
-        socket, all within one deadline of ``CLOSE_TIMEOUT``; on a connection that ended
-        already, only the release. From any thread, idempotent: docs/threading.md."""
-        deadline = monotonic() + CLOSE_TIMEOUT
-        if not self._close_lock.acquire(timeout=CLOSE_TIMEOUT):
+        socket, all within ``timeout`` seconds; on a connection that ended already, only
+        the release. From any thread, idempotent: docs/threading.md."""
+        deadline = monotonic() + timeout
+        if not self._close_lock.acquire(timeout=timeout):
             return  # another thread is closing it, within the same bound
         try:
             intentional = ConnectionClosedIntentionally("connection closed by close()")
@@ -331,11 +334,13 @@ class Connection(amqp.Connection):
                 self._closed_ok = closed_ok
                 args = dumps(argsig, (reply_code, reply_text, method_sig[0], method_sig[1]))
                 try:
-                    # After everything that returned before it; nothing can follow it.
-                    self.send_frames(0, spec.Connection.Close, args, None, last=lambda: intentional)
+                    # After everything that returned before it; nothing can follow it. A
+                    # tenth of the time is left to stop the reader and close the socket.
+                    by = deadline - timeout / 10
+                    sig, last = spec.Connection.Close, lambda: intentional
+                    self.send_frames(0, sig, args, None, timeout=by - monotonic(), last=last)
                     self.end(intentional)
-                    # A tenth of the deadline is left to stop the reader, close the socket.
-                    self.reader.wait(closed_ok, deadline - CLOSE_TIMEOUT / 10, closing=True)
+                    self.reader.wait(closed_ok, by, closing=True)
                 except (OSError, AMQPError, TimeoutError, ConnectionClosedIntentionally):
                     pass  # the link is going away either way
             self.end(intentional, deadline)
@@ -497,8 +502,17 @@ class Connection(amqp.Connection):
         self.end(ConnectionLost(f"{inherited} in the child"), monotonic())
 
 
-#: Every open connection, for the fork hook.
+#: Every open connection, for the fork and exit hooks.
 _connections: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """An exit without ``close()`` closes what is open, all within ``CLOSE_TIMEOUT``: a
+    broker whose connection drops may lose publishes it has read but not yet routed."""
+    deadline = monotonic() + CLOSE_TIMEOUT
+    for conn in list(_connections):
+        conn.close(timeout=max(deadline - monotonic(), 0.0))
 
 
 def _after_fork_in_child() -> None:

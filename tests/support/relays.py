@@ -19,9 +19,10 @@ RECV_SIZE = 65536  # the most a relay holds in memory in each direction
 
 
 class Relay:
-    """Forwards a client to ``upstream``; :meth:`inject` writes raw bytes to the client;
-    clearing :attr:`forwarding` stops reading from the client (its bytes pile up in the
-    kernel's buffers), setting it again resumes."""
+    """Forwards a client to ``upstream``, keeping what it sent in :attr:`sent`;
+    :meth:`inject` writes raw bytes to the client; clearing :attr:`forwarding` stops
+    reading from the client (its bytes pile up in the kernel's buffers), setting it again
+    resumes."""
 
     def __init__(
         self,
@@ -35,6 +36,7 @@ class Relay:
         if client_rcvbuf is not None:  # the accepted socket inherits it
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, client_rcvbuf)
         self.forwarding = threading.Event()  # cleared by a test; set again by close()
+        self.sent = bytearray()  # every byte the client sent, appended by the "up" thread
         self.forwarding.set()
         self.port = self._listener.getsockname()[1]
         self._client: socket.socket | None = None
@@ -75,6 +77,7 @@ class Relay:
                     with self._client_write:
                         dst.sendall(data)
                 else:
+                    self.sent += data
                     dst.sendall(data)
         except OSError:
             pass
