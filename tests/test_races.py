@@ -250,6 +250,37 @@ def test_a_legacy_heartbeat_timeout_wakes_a_blocked_reader_and_closes_the_socket
     assert conn.transport is None or conn.transport.sock is None, "the socket is still open"
 
 
+# -- a reply read just before the bytes that end the connection --------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reply_read_just_before_the_end_is_returned_not_the_end(
+    connect: Callable[..., drainer_amqp.Connection], mode: str
+) -> None:
+    """The waiting thread finds its reply missing; then, before it looks at the
+    connection, another thread reads the reply and the bad bytes behind it, and ends the
+    connection: the wait returns the reply (seen once in CI as an UnexpectedFrame
+    raised to the thread whose DeclareOk had been read)."""
+    conn = connect(mode)
+
+    class FilledThenEnded:
+        filled = False
+
+        def ready(self) -> bool:
+            if self.filled:
+                return True
+            # Another thread, between this check and the next: the reply, then the end.
+            self.filled = True
+            conn.end(drainer_amqp.ConnectionLost("bad bytes just after the reply"))
+            return False
+
+        def wait(self, timeout: float | None) -> bool:  # the drainer's: filled as it sleeps
+            self.ready()
+            return True
+
+    conn.reader.wait(FilledThenEnded(), time.monotonic() + JOIN)  # returns, does not raise
+
+
 # -- a channel closed by the broker: its error is handed over under its own lock ---------
 
 

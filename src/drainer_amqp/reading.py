@@ -66,6 +66,7 @@ class LegacyConnection(Protocol):
     transport_lock: Any
     dispatching_thread: int | None  # the thread dispatching now, under transport_lock
     is_closing: bool
+    reason: BaseException | None  # why it ended, once it has
     frame_max: int
     on_inbound_frame: Callable[[Any], Any]
 
@@ -117,8 +118,8 @@ class LegacyReader:
         conn = self._conn
         lock = conn.transport_lock
         while not awaitable.ready():
-            if not closing:
-                conn.raise_if_ended()
+            if not closing and conn.reason is not None and not awaitable.ready():
+                raise conn.error_for_caller()  # a reply read before the end still counts
             stand_by = False
             remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
             if not lock.acquire(timeout=-1 if remaining is None else remaining):
