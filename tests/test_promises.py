@@ -22,6 +22,7 @@ import pytest
 from amqp import Message
 from amqp.exceptions import ChannelError, RecoverableConnectionError
 from support.broker import BROKER_HOST, JOIN, unique_name, wait_until
+from support.fake_broker import frame
 from support.publishing import Publishers, connect, lose_the_link_while_publishing, queue_bodies
 from support.relays import relay
 
@@ -215,7 +216,7 @@ for conn in conns:
     conn.send_heartbeat()  # the last frame the relay reads
 sys.stdin.read()  # until the test closes it; then exit without close()
 """
-HEARTBEAT = b"\x08\x00\x00\x00\x00\x00\x00\xce"
+HEARTBEAT = frame(8, 0, b"")
 
 
 @pytest.mark.parametrize("mode", MODES)

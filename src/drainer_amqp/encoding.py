@@ -39,7 +39,7 @@ _BODY_HEAD = Struct(">cBHI")  # the previous frame's end, type 3, channel, size
 _U32 = Struct(">I")
 _OCTET = [bytes((i,)) for i in range(256)]
 _INT = Struct(">ci").pack
-_STR_HEAD = Struct(">cI").pack
+_SIZED_HEAD = Struct(">cI").pack  # a field kind and its 32-bit size: strings, arrays
 _LONG = Struct(">cq").pack
 _DOUBLE = Struct(">cd").pack
 _SHORTSTR, _OCTET_KIND, _TABLE, _TIMESTAMP = "s", "o", "F", "L"
@@ -100,10 +100,10 @@ def _item(value: Any, append: Any) -> bool:
     kind = type(value)
     if kind is str:
         data = value.encode("utf-8", "surrogatepass")
-        append(_STR_HEAD(b"S", len(data)))
+        append(_SIZED_HEAD(b"S", len(data)))
         append(data)
     elif kind is bytes:
-        append(_STR_HEAD(b"S", len(value)))
+        append(_SIZED_HEAD(b"S", len(value)))
         append(value)
     elif kind is bool:
         append(b"t\x01" if value else b"t\x00")
@@ -129,7 +129,7 @@ def _item(value: Any, append: Any) -> bool:
         if not all(_item(item, parts.append) for item in value):
             return False
         data = b"".join(parts)
-        append(_STR_HEAD(b"A", len(data)))
+        append(_SIZED_HEAD(b"A", len(data)))
         append(data)
     else:
         return False
