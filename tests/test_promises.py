@@ -249,6 +249,126 @@ def test_the_exit_hook_closes_silent_connections_within_one_deadline_in_all(mode
     assert took < CLOSE_TIMEOUT + 2.0, f"the exit took {took:.1f}s"
 
 
+STALLED_BROKER_SCRIPT = """
+import atexit, sys
+
+handshakes = {}
+# Registered before the library's hook, so it runs after it (atexit is last in, first out).
+atexit.register(lambda: print("handshakes", sorted(handshakes.items()), flush=True))
+
+import drainer_amqp
+from amqp import Message
+from drainer_amqp import connection
+
+stalled_port, healthy_ports, queue, mode, broker = sys.argv[1:6]
+drainer = mode == "drainer"
+
+
+def open_connection(host):
+    conn = drainer_amqp.Connection(host=host, dedicated_drainer=drainer)
+    conn.connect()
+    return conn
+
+
+def publish(conn, name):
+    channel = conn.channel()
+    for n in range(20):
+        channel.basic_publish(Message(b"%s-%02d" % (name, n)), routing_key=queue)
+
+
+stalled = open_connection("127.0.0.1:" + stalled_port)
+healthy = [open_connection("127.0.0.1:" + port) for port in healthy_ports.split(",")]
+print("connected", flush=True)
+sys.stdin.readline()  # the stalled relay has stopped reading
+sock = stalled.transport.sock
+sock.setblocking(False)
+try:
+    while True:  # fill the kernel's buffers: the next write blocks
+        sock.send(bytes(65536))
+except BlockingIOError:
+    pass
+sock.setblocking(True)
+for i, conn in enumerate(healthy):
+    publish(conn, b"healthy%d" % i)
+
+# A connection opened while the exit hook runs (after it took its list).
+real_send_close = connection.Connection._send_close
+late = []
+
+
+def send_close(self, *args):
+    if not late:
+        late.append(open_connection(broker))
+        publish(late[0], b"late")
+    ok = real_send_close(self, *args)
+    return ok
+
+
+def finish_close(self, *args):
+    real_finish_close(self, *args)
+    closed_ok = self._closed_ok
+    handshakes["late" if self in late else self.host] = bool(closed_ok and closed_ok.value)
+
+
+real_finish_close = connection.Connection._finish_close
+connection.Connection._send_close = send_close
+connection.Connection._finish_close = finish_close
+# exit without close()
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stalled_broker_costs_the_other_connections_nothing_at_exit(
+    mode: str, fresh_queue: str
+) -> None:
+    """At exit, one broker has stopped reading (even the Close cannot be written) while
+    two others are healthy, and a fourth connection opens while the hook runs. The exit
+    ends within CLOSE_TIMEOUT, and every healthy connection, the late one too, completes
+    its close handshake with everything it published delivered."""
+    with relay() as stalled, relay() as one, relay() as two:
+        healthy = f"{one.port},{two.port}"
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                STALLED_BROKER_SCRIPT,
+                str(stalled.port),
+                healthy,
+                fresh_queue,
+                mode,
+                BROKER_HOST,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert child.stdout.readline() == b"connected\n"
+            stalled.forwarding.clear()
+            start = time.monotonic()
+            child.stdin.write(b"go\n")
+            child.stdin.close()
+            status = child.wait(timeout=JOIN * 2)
+            took = time.monotonic() - start
+            output = child.stdout.read().decode()
+        finally:
+            child.kill()
+    assert status == 0, child.stderr.read() if child.stderr else ""
+    assert took < CLOSE_TIMEOUT + 2.0, f"the exit took {took:.1f}s"
+    handshakes = dict(eval(output.split("handshakes", 1)[1]))  # noqa: S307 - our own output
+    assert handshakes == {
+        f"127.0.0.1:{stalled.port}": False,
+        f"127.0.0.1:{one.port}": True,
+        f"127.0.0.1:{two.port}": True,
+        "late": True,
+    }, handshakes
+    bodies = set(queue_bodies(fresh_queue))
+    for name in (b"healthy0", b"healthy1", b"late"):
+        missing = {b"%s-%02d" % (name, n) for n in range(20)} - bodies
+        assert not missing, f"returned but lost: {sorted(missing)}"
+
+
 @pytest.mark.parametrize("threads", [10, 100])
 @pytest.mark.parametrize("mode", MODES)
 def test_every_publishing_thread_makes_progress(mode: str, threads: int, fresh_queue: str) -> None:

@@ -15,6 +15,7 @@ import amqp
 import pytest
 from amqp import spec
 from support.broker import JOIN
+from support.threads import stack_names
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, reading
@@ -290,3 +291,52 @@ def test_each_channel_hands_over_its_close_error_under_a_lock_of_its_own(
     conn = connect("legacy")
     first, second = conn.channel(), conn.channel()
     assert first._close_lock is not second._close_lock
+
+
+# -- the release: once, whoever comes first ---------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_collect_beside_a_close_waits_for_its_release_instead_of_racing_it(
+    connect: Callable[..., drainer_amqp.Connection], mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kombu's ``collect()`` (or a user's) in one thread while ``close()`` (or the exit
+    hook) releases the connection in another: the release happens once, the second call
+    waits for it within its deadline, and neither raises (one used to set
+    ``channels = None`` while the other popped from it)."""
+    conn = connect(mode)
+    channels = [conn.channel(), conn.channel()]
+    collected: list[str] = []
+    in_release, go = threading.Event(), threading.Event()
+    real_collect = Channel.collect
+
+    def collect(self: Channel) -> None:
+        collected.append(threading.current_thread().name)
+        if threading.current_thread().name == "closer" and not in_release.is_set():
+            in_release.set()
+            assert go.wait(JOIN)
+        real_collect(self)
+
+    monkeypatch.setattr(Channel, "collect", collect)
+    closer, closed = start(conn.close, "closer")
+    assert in_release.wait(JOIN)
+    collector, collected_out = start(conn.collect, "collector")
+    # It reaches the release and waits there for the closer's.
+    assert wait_for(lambda: stack_names(collector)[:1] == ["_release"])
+    assert collector.is_alive()
+    go.set()
+    for thread in (closer, collector):
+        thread.join(JOIN)
+        assert not thread.is_alive()
+    assert closed == [None] and collected_out == [None], (closed, collected_out)
+    assert collected == ["closer"] * len(channels), collected
+    assert conn.channels is None
+
+
+def wait_for(predicate: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + JOIN
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)  # polling another thread's stack: there is no event to wait on
+    return True

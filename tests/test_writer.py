@@ -40,6 +40,13 @@ class FakeSocket:
         self.entered = threading.Semaphore(0)  # released as each sendall starts
         self._permits: threading.Semaphore | None = None
         self.error: OSError | None = None
+        self.timeout: float | None = None  # as a socket's: sendall raises after it
+
+    def gettimeout(self) -> float | None:
+        return self.timeout
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.timeout = timeout
 
     def hold(self) -> None:
         self._permits = threading.Semaphore(0)
@@ -59,7 +66,9 @@ class FakeSocket:
         self.entered.release()
         permits = self._permits
         if permits is not None:
-            assert permits.acquire(timeout=JOIN), "the test never permitted this write"
+            if not permits.acquire(timeout=JOIN if self.timeout is None else self.timeout):
+                assert self.timeout is not None, "the test never permitted this write"
+                raise TimeoutError("timed out")  # socket.timeout
         if self.error is not None:
             raise self.error
         self.data += payload
@@ -150,7 +159,7 @@ def test_messages_of_many_threads_arrive_whole_and_in_each_threads_order(switchi
 
 
 def test_numbering_follows_the_write_order(switching: None) -> None:
-    """Delivery tags are numbered as messages are queued: they match the wire order with
+    """Delivery tags are numbered as messages are taken: they match the wire order with
     no lock of the caller's."""
     sock = FakeSocket()
     writer = make_writer(sock)
@@ -165,7 +174,7 @@ def test_numbering_follows_the_write_order(switching: None) -> None:
                 counter[0] += 1
                 tags[name] = counter[0]
 
-            writer.send([b"<" + name + b">"], number=number)
+            writer.send([b"<" + name + b">"], take=number)
 
     workers = [start(partial(publisher, t), f"pub-{t}") for t in range(8)]
     for w in workers:
@@ -374,6 +383,12 @@ class FlakySocket:
         self.broken = False
         self._lock = threading.Lock()
 
+    def gettimeout(self) -> float | None:
+        return None
+
+    def settimeout(self, timeout: float | None) -> None:
+        pass
+
     def sendall(self, payload: bytes) -> None:
         view = memoryview(payload)
         while view:
@@ -437,3 +452,264 @@ def test_randomized_every_send_that_returned_is_written_once_whole_and_in_order(
         assert not missing, f"thread {t}: sends returned OK but not written: {sorted(missing)}"
     if fail_after is None:
         assert b"".join(m.group(0) for m in re.finditer(rb"<\d+:\d+:\.*>", data)) == data
+
+
+# -- timeouts, interrupts and refusals leave the writer as if the caller never came ------
+
+
+def numbering(tags: dict[bytes, int]) -> Callable[[bytes], Callable[[], None]]:
+    """``take`` callbacks that number messages as a channel numbers delivery tags."""
+    counter = [0]
+
+    def take_for(name: bytes) -> Callable[[], None]:
+        def take() -> None:
+            counter[0] += 1
+            tags[name] = counter[0]
+
+        return take
+
+    return take_for
+
+
+def test_a_publish_that_times_out_while_queued_takes_no_delivery_tag() -> None:
+    """The broker numbers what it receives: a message that left the queue unwritten must
+    not have used a tag, or every later ack is matched to the wrong publish."""
+    tags: dict[bytes, int] = {}
+    take_for = numbering(tags)
+    sock = FakeSocket()
+    sock.hold()
+    writer = make_writer(sock)
+    leader = start(lambda: writer.send([b"<A>"], take=take_for(b"A")), "A")
+    entered(sock)
+    with pytest.raises(TimeoutError, match="not draining"):
+        writer.send([b"<B>"], take=take_for(b"B"), timeout=0.05)
+    c, c_out = sender_with(writer, b"<C>", "C", take=take_for(b"C"))
+    queued(writer, 1)
+    d, d_out = sender_with(writer, b"<D>", "D", take=take_for(b"D"))
+    queued(writer, 2)
+    sock.release_all()
+    for thread in (leader, c, d):
+        thread.join(JOIN)
+    assert c_out == d_out == ["ok"]
+    wire = re.findall(rb"<(\w)>", bytes(sock.data))
+    assert wire == [b"A", b"C", b"D"]
+    assert [tags[name] for name in wire] == [1, 2, 3], tags
+    assert b"B" not in tags
+
+
+def sender_with(
+    writer: Writer, data: bytes, name: str, **kwargs: object
+) -> tuple[threading.Thread, list]:
+    """As ``sender``, with any keyword of ``send``."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            writer.send([data], **kwargs)  # type: ignore[arg-type]
+            outcome.append("ok")
+        except BaseException as exc:  # noqa: BLE001 - asserted by the tests
+            outcome.append(exc)
+
+    return start(run, name), outcome
+
+
+def interrupt_wait_of(
+    monkeypatch: pytest.MonkeyPatch, chunk: bytes, after_wake: bool
+) -> threading.Event:
+    """``KeyboardInterrupt`` in the wait of the message ``chunk``, as a signal handler
+    raises it: at once, or just after its thread was woken (handed the lead)."""
+    real_wait = _Message.wait
+    raised = threading.Event()
+
+    def wait(message: _Message, timeout: float | None) -> bool:
+        if message.chunks != [chunk]:
+            return real_wait(message, timeout)
+        if after_wake:
+            assert real_wait(message, JOIN), "never woken"
+        raised.set()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_Message, "wait", wait)
+    return raised
+
+
+def assert_idle_and_working(writer: Writer, sock: FakeSocket) -> None:
+    """Nobody holds the lead, and a new send is written at once."""
+    assert not writer.busy, "the lead was orphaned"
+    assert not writer._queue  # noqa: SLF001 - the queue is the point under test
+    sender_thread, outcome = sender(writer, b"Z", "after")
+    sender_thread.join(JOIN)
+    assert outcome == ["ok"], outcome
+    assert bytes(sock.data).endswith(b"Z")
+
+
+def test_an_interrupt_while_queued_removes_the_message_and_keeps_the_turns(
+    monkeypatch: pytest.MonkeyPatch, switching: None
+) -> None:
+    interrupt_wait_of(monkeypatch, b"X", after_wake=False)
+    tags: dict[bytes, int] = {}
+    take_for = numbering(tags)
+    sock, writer, leader = busy_writer()
+    with pytest.raises(KeyboardInterrupt):
+        writer.send([b"X"], take=take_for(b"X"))
+    y, y_out = sender(writer, b"Y", "Y")
+    queued(writer, 1)
+    sock.release_all()
+    for thread in (leader, y):
+        thread.join(JOIN)
+    assert y_out == ["ok"]
+    assert bytes(sock.data) == b"AY", "raised, yet written"
+    assert not tags, "an interrupted message took a tag"
+    assert_idle_and_working(writer, sock)
+
+
+def test_an_interrupt_after_being_handed_the_lead_still_writes_the_batch(
+    monkeypatch: pytest.MonkeyPatch, switching: None
+) -> None:
+    """The interrupted thread had been handed the queue (its message and Y's): it writes
+    them and hands on the lead before its KeyboardInterrupt propagates."""
+    raised = interrupt_wait_of(monkeypatch, b"X", after_wake=True)
+    sock, writer, leader = busy_writer()
+    x, x_out = sender(writer, b"X", "X")
+    queued(writer, 1)
+    y, y_out = sender(writer, b"Y", "Y")
+    queued(writer, 2)
+    sock.release_all()
+    for thread in (leader, x, y):
+        thread.join(JOIN)
+    assert raised.is_set()
+    assert isinstance(x_out[0], KeyboardInterrupt), x_out
+    assert y_out == ["ok"], "the orphaned batch was never written"
+    assert bytes(sock.data) == b"AXY"
+    assert sock.calls == ["leader", "X"]
+    assert_idle_and_working(writer, sock)
+
+
+def test_an_interrupt_between_a_leaders_write_and_its_hand_over_hands_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal lands in the leader just after its ``sendall``: the clean-up hands the
+    queue on (nothing written twice, nobody left waiting) and then raises."""
+    real_hand_over = Writer._hand_over
+    interrupted: list[str] = []
+
+    def hand_over(self: Writer, mine: _Message) -> None:
+        if not interrupted and threading.current_thread().name == "leader":
+            interrupted.append("once")
+            raise KeyboardInterrupt
+        real_hand_over(self, mine)
+
+    monkeypatch.setattr(Writer, "_hand_over", hand_over)
+    sock = FakeSocket()
+    sock.hold()
+    writer = make_writer(sock)
+    leader, leader_out = sender(writer, b"A", "leader")
+    entered(sock)
+    b, b_out = sender(writer, b"B", "B")
+    queued(writer, 1)
+    sock.release_all()
+    for thread in (leader, b):
+        thread.join(JOIN)
+    assert interrupted == ["once"]
+    assert isinstance(leader_out[0], KeyboardInterrupt), leader_out
+    assert b_out == ["ok"]
+    assert bytes(sock.data) == b"AB", "written twice, or not at all"
+    assert_idle_and_working(writer, sock)
+
+
+def test_an_endless_timeout_is_no_timeout() -> None:
+    """``timeout=float('inf')`` used to raise OverflowError in the lock's wait, leaving
+    the message queued with nobody to write it."""
+    sock, writer, leader = busy_writer()
+    waiting, outcome = sender_with(writer, b"B", "B", timeout=float("inf"))
+    queued(writer, 1)
+    sock.release_all()
+    for thread in (leader, waiting):
+        thread.join(JOIN)
+    assert outcome == ["ok"]
+    assert bytes(sock.data) == b"AB"
+    assert_idle_and_working(writer, sock)
+
+
+def test_a_leaders_own_write_has_its_deadline_and_the_connection_ends_at_it() -> None:
+    """Nobody else writes, and the socket takes nothing: the caller's timeout bounds its
+    ``sendall`` (``close()`` and the exit hook rely on that), and since part of a frame
+    may be on the wire, the connection ends."""
+    sock = FakeSocket()
+    sock.hold()  # never permitted: a broker that stopped reading
+    writer = make_writer(sock)
+    begun = time.monotonic()
+    with pytest.raises(ConnectionError, match="timed out"):
+        writer.send([b"A"], timeout=0.1)
+    assert time.monotonic() - begun < JOIN / 2
+    assert sock.timeout is None, "the socket's own timeout was not restored"
+    with pytest.raises(ConnectionError):
+        writer.send([b"B"])
+    assert not writer.busy
+
+
+def test_a_timeout_that_races_fail_raises_the_connections_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The connection fails just as a queued message's wait times out: the message was
+    dropped, not maybe written."""
+    real_wait = _Message.wait
+    sock, writer, leader = busy_writer()
+
+    def wait(message: _Message, timeout: float | None) -> bool:
+        if message.chunks != [b"B"]:
+            return real_wait(message, timeout)
+        writer.fail(lambda: ConnectionAbortedError("the connection ended"))
+        return False  # its timer fired as fail() took it from the queue
+
+    monkeypatch.setattr(_Message, "wait", wait)
+    with pytest.raises(ConnectionAbortedError, match="ended"):
+        writer.send([b"B"], timeout=JOIN)
+    sock.release_all()
+    leader.join(JOIN)
+    assert bytes(sock.data) == b"A"
+
+
+def test_a_write_failure_whose_handler_does_not_end_the_writer_still_fails_the_queue() -> None:
+    """``on_error`` should end the connection (so :meth:`Writer.fail` runs); if it does
+    not, the waiters still get an error, not an assertion or a hang."""
+    sock = FakeSocket()
+    sock.hold()
+    writer = Writer(sock, threading.RLock(), lambda exc: ConnectionError(f"lost: {exc}"))  # type: ignore[arg-type]
+    leader, leader_out = sender(writer, b"A", "leader")
+    entered(sock)
+    b, b_out = sender(writer, b"B", "B")
+    queued(writer, 1)
+    sock.error = BrokenPipeError(32, "Broken pipe")
+    sock.release_all()
+    for thread in (leader, b):
+        thread.join(JOIN)
+    assert isinstance(leader_out[0], ConnectionError), leader_out
+    assert isinstance(b_out[0], ConnectionError), b_out
+    with pytest.raises(ConnectionError):
+        writer.send([b"C"])
+    assert not writer.busy
+
+
+def test_a_refused_message_is_not_written_and_raises_its_error_in_its_thread() -> None:
+    """A take may refuse its message (the channel was closed meanwhile): that message
+    alone is dropped, the batch around it is written."""
+    sock, writer, leader = busy_writer()
+
+    def refuse() -> None:
+        raise LookupError("channel closed")
+
+    b, b_out = sender(writer, b"B", "B")
+    queued(writer, 1)
+    r, r_out = sender_with(writer, b"R", "R", take=refuse)
+    queued(writer, 2)
+    writer.send([b"N"], block=False)
+    sock.release_all()
+    for thread in (leader, b, r):
+        thread.join(JOIN)
+    assert b_out == ["ok"]
+    assert isinstance(r_out[0], LookupError), r_out
+    assert bytes(sock.data) == b"ABN"
+    with pytest.raises(LookupError):
+        writer.send([b"S"], take=refuse)  # refused as it leads, too
+    assert_idle_and_working(writer, sock)

@@ -26,7 +26,7 @@ from vine import promise
 from .encoding import PublishEncoder
 from .errors import in_failover_after_another, tag
 from .reading import Reader
-from .sync import Waiter
+from .sync import Waiter, deadline_after
 from .waits import Confirms, Inbox, Waiters
 
 __all__ = ["CLOSE_TIMEOUT", "Channel"]
@@ -42,6 +42,16 @@ _ACK, _NACK = spec.Basic.Ack, spec.Basic.Nack
 _QUEUED_BY_CONSUMER = frozenset((spec.Basic.Deliver, spec.Basic.Cancel, spec.Basic.CancelOk))
 _QUEUED = _QUEUED_BY_CONSUMER | {spec.Basic.Return}
 _EVENTS = {_ACK: "basic_ack", _NACK: "basic_nack"}
+#: Written on a channel the broker closed: the close handshake, and the reopening.
+_ALWAYS_WRITTEN = frozenset((spec.Channel.Open, spec.Channel.Close, spec.Channel.CloseOk))
+
+
+class _Refused(Exception):  # noqa: N818 - internal: carries the channel's close error
+    """A take refused a method: the broker had closed its channel (``error``)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class ChannelConnection(Protocol):
@@ -63,7 +73,7 @@ class ChannelConnection(Protocol):
         args: Any,
         content: Any,
         *,
-        number: Callable[[], Any] | None = None,
+        take: Callable[[], Any] | None = None,
         timeout: float | None = None,
         encoded: list[bytes | memoryview] | None = None,
     ) -> None: ...
@@ -85,9 +95,16 @@ class Channel(pyamqp.Channel):
     def __init__(self, connection: ChannelConnection, *args: Any, **kwargs: Any) -> None:
         self.confirms = Confirms(connection.waiters)
         self._confirm_mode = False
-        # Guards _close_error: set by the reading thread, taken (once) by a using thread.
+        # Guards _close_error against confirms being numbered (a publish's take) and
+        # _reviving: the reading thread sets the error, a take reads it, one using
+        # thread claims the revive. Taken under the writer's lock, never the reverse.
         self._close_lock = threading.Lock()
-        self._close_error: BaseException | None = None  # the broker closed this channel
+        # The broker closed this channel: set before our CloseOk is queued, cleared as
+        # the Channel.Open that reopens it is taken for writing, so nothing else of this
+        # channel's is written in between (RabbitMQ would end the connection: 504).
+        self._close_error: BaseException | None = None
+        self._last_close_error: BaseException | None = None
+        self._reviving = False  # a thread is reopening the channel
         self._prepared: dict[int, Waiter] = {}  # thread id -> wait registered before writing
         # A Basic.Return read just before its message's ack (reading thread only).
         self._returned: tuple[bytes, Any] | None = None
@@ -147,7 +164,7 @@ class Channel(pyamqp.Channel):
 
     def _await(self, waiter: Waiter, conn: ChannelConnection, timeout: float | None) -> Any:
         """Wait until ``waiter`` is filled; return its (method, args), or raise why not."""
-        conn.reader.wait(waiter, None if timeout is None else monotonic() + timeout)
+        conn.reader.wait(waiter, deadline_after(timeout))
         if waiter.value is not None:
             return waiter.value
         error = waiter.error or self._close_error
@@ -158,12 +175,33 @@ class Channel(pyamqp.Channel):
     def _raise_channel_error(self, conn: ChannelConnection, error: BaseException) -> None:
         """Reopen the channel the broker closed (once, in this thread) and raise why."""
         with self._close_lock:
-            mine = self._close_error is error
-            if mine:
-                self._close_error = None
-        if mine and conn.reason is None:
-            self._do_revive()
+            mine = self._close_error is error and not self._reviving
+            self._reviving = self._reviving or mine
+        if mine:
+            try:
+                if conn.reason is None:
+                    self._do_revive()
+            finally:
+                self._reviving = False
         raise copy.copy(error)
+
+    def _check_open(self) -> None:
+        """A method's take (under the writer's lock): refuse it on a channel the broker
+        closed."""
+        error = self._close_error
+        if error is not None:
+            raise _Refused(error)
+
+    def _write(
+        self, conn: ChannelConnection, sig: Any, args: Any, content: Any, **kwargs: Any
+    ) -> None:
+        """Write one method of this channel; ``take`` (default: refused on a channel the
+        broker has closed by the time it is taken) and the rest as ``send_frames``."""
+        kwargs.setdefault("take", None if sig in _ALWAYS_WRITTEN else self._check_open)
+        try:
+            conn.send_frames(self.channel_id, sig, args, content, **kwargs)
+        except _Refused as refused:
+            self._raise_channel_error(conn, refused.error)
 
     def send_method(  # type: ignore[override]
         self,
@@ -176,19 +214,25 @@ class Channel(pyamqp.Channel):
         returns_tuple: bool = False,
     ) -> Any:
         conn = self._live_conn()
-        if self._close_error is not None and sig not in (spec.Channel.CloseOk, spec.Channel.Close):
-            self._raise_channel_error(conn, self._close_error)
-        if not wait:
-            return super().send_method(sig, format, args, content, None, callback)
+        error = self._close_error
+        if error is not None and sig not in _ALWAYS_WRITTEN:
+            self._raise_channel_error(conn, error)
         # Channel.Close is bounded like the connection's close(): a broker that stopped
         # reading (blocked) must not hang kombu's release().
         timeout = CLOSE_TIMEOUT if sig == spec.Channel.Close else None
-        waiter = self._expect(conn, wait)
+        waiter = self._expect(conn, wait) if wait else None
         try:
-            super().send_method(sig, format, args, content, None, callback)
+            self._write(conn, sig, dumps(format, args) if format else "", content)
+            written = promise()  # as py-amqp's: fulfilled once written
+            if callback:
+                written.then(callback)
+            written()
+            if waiter is None:
+                return written
             return self._finish_wait(waiter, conn, None, timeout, returns_tuple)
         finally:
-            self._forget(conn, waiter)
+            if waiter is not None:
+                self._forget(conn, waiter)
 
     def wait(  # type: ignore[override]
         self,
@@ -304,37 +348,50 @@ class Channel(pyamqp.Channel):
         conn = self.connection
         # The broker closed this channel. Reopening it needs a wait, which the drainer must
         # never do, and which in legacy mode belongs to the thread that used the channel:
-        # record the error, wake this channel's waiters, and let the next thread that uses
-        # the channel reopen it and raise the error.
-        super().send_method(spec.Channel.CloseOk)
+        # record the error (before CloseOk is queued: nothing of this channel's is written
+        # after it), wake this channel's waiters, and let the next thread that uses the
+        # channel reopen it and raise the error.
         self.is_open = False
-        if self.is_closing or conn.is_closing:
-            return
-        error = error_for_code(reply_code, reply_text, (class_id, method_id), ChannelError)
-        with self._close_lock:
-            self._close_error = error
-        for waiter in {w for w in self._pending.values() if isinstance(w, Waiter)}:
-            waiter.fail(error)
-        self.confirms.fail_all(error)
+        if not (self.is_closing or conn.is_closing):
+            error = error_for_code(reply_code, reply_text, (class_id, method_id), ChannelError)
+            with self._close_lock:
+                self._close_error = self._last_close_error = error
+                self.confirms.fail_all(error)  # no publish is numbered after this
+            pending = self._pending.copy()  # one call: other threads add and remove
+            for waiter in {w for w in pending.values() if isinstance(w, Waiter)}:
+                waiter.fail(error)
+        super().send_method(spec.Channel.CloseOk)
 
     def _do_revive(self) -> None:
-        self._confirm_mode = False
+        """Reopen the channel the broker closed (py-amqp's, with the error cleared as the
+        Channel.Open is taken for writing: see ``_close_error``)."""
+        conn = self._live_conn()
+        self.is_open = False
+        waiter = Waiter((spec.Channel.OpenOk,))  # not _expect(): the channel is closed
+        self._pending[spec.Channel.OpenOk] = waiter
+        conn.waiters.add(waiter)
+        try:
+            self._write(conn, spec.Channel.Open, dumps("s", ("",)), None, take=self._reopened)
+            self._await(waiter, conn, None)
+        finally:
+            self._forget(conn, waiter)
+
+    def _reopened(self) -> None:
+        # The Channel.Open's take: what follows it is written on a new channel.
+        with self._close_lock:
+            self._close_error = None
+        self._confirm_mode = self._confirm_selected = False
         self._returned = None
         self.confirms.reset()
-        super()._do_revive()
 
     # -- publishing --------------------------------------------------------------------
     def confirm_select(self, nowait: bool = False) -> Any:
         conn = self._live_conn()
         waiter = None if nowait else self._expect(conn, spec.Confirm.SelectOk)
         try:
-            conn.send_frames(
-                self.channel_id,
-                spec.Confirm.Select,
-                dumps("b", (nowait,)),
-                None,
-                number=self._start_numbering,  # publishes are numbered from here on
-            )
+            # Publishes taken after it are numbered.
+            args = dumps("b", (nowait,))
+            self._write(conn, spec.Confirm.Select, args, None, take=self._start_numbering)
             if waiter is not None:
                 self._await(waiter, conn, None)
         finally:
@@ -344,6 +401,7 @@ class Channel(pyamqp.Channel):
     def _start_numbering(self) -> None:
         # A second Confirm.Select on a channel in confirm mode changes nothing on the
         # broker: its delivery tags keep counting.
+        self._check_open()
         if not self._confirm_mode:
             self.confirms.reset()
             self._confirm_mode = True
@@ -389,11 +447,19 @@ class Channel(pyamqp.Channel):
         conn.wait_unblocked(timeout)
         tag = 0
 
-        def number() -> None:  # as it is queued: the delivery tag is the write order
+        def take() -> None:  # as it is taken for writing: the tag is the broker's count
             nonlocal tag
+            error = self._close_error
+            if error is None and self._confirm_mode:
+                with self._close_lock:  # against _on_close failing every confirm
+                    error = self._close_error
+                    if error is None:
+                        tag = self.confirms.number(waiter)
+            elif error is None and waiter is not None:  # reopened since: no confirms
+                error = self._last_close_error
+            if error is not None:
+                raise _Refused(error)
             conn.messages_sent += 1
-            if self._confirm_mode:
-                tag = self.confirms.number(waiter)
 
         encoder = conn.publish_encoder
         chunks = args = None
@@ -404,14 +470,8 @@ class Channel(pyamqp.Channel):
         if chunks is None:
             args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
         try:
-            conn.send_frames(
-                self.channel_id,
-                spec.Basic.Publish,
-                args,
-                msg,
-                number=number,
-                timeout=timeout,
-                encoded=chunks,
+            self._write(
+                conn, spec.Basic.Publish, args, msg, take=take, timeout=timeout, encoded=chunks
             )
         except TimeoutError as exc:
             self.confirms.drop(tag)

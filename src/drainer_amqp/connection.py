@@ -34,7 +34,7 @@ from .encoding import PublishEncoder
 from .errors import ConnectionBlocked, ConnectionClosedIntentionally, ConnectionLost, tag
 from .framing import Frame
 from .reading import LegacyReader, Reader
-from .sync import Waiter
+from .sync import Waiter, deadline_after
 from .waits import Inbox, Waiters
 from .writer import Writer
 
@@ -97,6 +97,7 @@ class Connection(amqp.Connection):
         # connected or when the caller gave a frame_writer of its own.
         self.publish_encoder: PublishEncoder | None = None
         self._closed_ok: Waiter | None = None  # set by close() while it waits for CloseOk
+        self._released = False  # reader, socket and channels let go; set once by _release
         self._lock_held = 0.0  # seconds the drainer held the transport lock (stats)
         self.messages_sent = 0  # publishes queued to the writer, under its lock (stats)
         # The thread dispatching frames now, under the transport lock. Its replies never
@@ -117,6 +118,7 @@ class Connection(amqp.Connection):
         self._channel_id_lock = threading.Lock()  # guards _used_channel_ids: channel openers
         self._encode_lock = threading.Lock()  # guards the encoder: each sender, per method
         self._close_lock = threading.Lock()  # one close() at a time: closing threads
+        self._release_lock = threading.Lock()  # guards _released: releasing threads
         self._unblocked = threading.Event()  # clear while the broker blocks publishes
         self._unblocked.set()
         self._blocked_reason = ""
@@ -146,7 +148,7 @@ class Connection(amqp.Connection):
         args: Any,
         content: Any,
         *,
-        number: Callable[[], Any] | None = None,
+        take: Callable[[], Any] | None = None,
         timeout: float | None = None,
         type_: int = 1,
         block: bool = True,
@@ -155,7 +157,7 @@ class Connection(amqp.Connection):
     ) -> None:
         """Encode one method (with its content, if any) and send its frames whole, after
         everything sent before; ``encoded``: its frames, encoded already (by
-        ``publish_encoder``). See :meth:`Writer.send` for ``number``, ``block``, ``last``."""
+        ``publish_encoder``). See :meth:`Writer.send` for ``take``, ``block``, ``last``."""
         writer = self.writer
         if writer is None:
             raise self.error_for_caller()
@@ -165,7 +167,7 @@ class Connection(amqp.Connection):
                 encoded, self._encoded = self._encoded, []
         else:
             self.bytes_sent += 1  # as py-amqp's frame writer: heartbeats watch it change
-        writer.send(encoded, number=number, timeout=timeout, block=block, last=last)
+        writer.send(encoded, take=take, timeout=timeout, block=block, last=last)
 
     def connect(self, callback: Callable[[], Any] | None = None) -> Any:
         try:
@@ -233,7 +235,7 @@ class Connection(amqp.Connection):
         if self._unblocked.is_set():
             return
         limit = self.blocked_timeout if timeout is None else min(timeout, self.blocked_timeout)
-        if not self._unblocked.wait(limit):
+        if not self._unblocked.wait(None if deadline_after(limit) is None else limit):
             raise ConnectionBlocked(
                 f"the broker has blocked publishing on this connection "
                 f"({self._blocked_reason or 'no reason given'}); waited {limit:g}s"
@@ -315,35 +317,57 @@ class Connection(amqp.Connection):
         timeout: float = CLOSE_TIMEOUT,
     ) -> None:
         """``Connection.Close``, then wait for ``CloseOk``, stop the reader and close the
-        socket, all within ``timeout`` seconds; on a connection that ended already, only
-        the release. From any thread, idempotent: docs/threading.md."""
+        socket, all within ``timeout`` seconds (a tenth of it is kept for the last two);
+        on a connection that ended already, only the release. From any thread,
+        idempotent: docs/threading.md."""
+        timeout = min(timeout, threading.TIMEOUT_MAX)
         deadline = monotonic() + timeout
-        if not self._close_lock.acquire(timeout=timeout):
-            return  # another thread is closing it, within the same bound
+        by = deadline - timeout / 10
+        args = dumps(argsig, (reply_code, reply_text, method_sig[0], method_sig[1]))
+        if self._send_close(args, timeout, by):
+            self._finish_close(by, deadline)
+
+    def _send_close(self, args: bytes, lock_timeout: float, write_by: float) -> bool:
+        """close()'s first step: take the close lock (within ``lock_timeout``; False if
+        another thread is closing, within its own bound, or the connection is released)
+        and write ``Connection.Close`` (by ``write_by``) if the link is up. On True the
+        caller owes :meth:`_finish_close`."""
+        if not self._close_lock.acquire(timeout=max(lock_timeout, 0.0)):
+            return False
         try:
-            intentional = ConnectionClosedIntentionally("connection closed by close()")
             if self._transport is None:
-                return  # released already
+                self._close_lock.release()
+                return False  # released already
             # A legacy reader blocked in a read holds the transport lock until the read
             # returns (maybe never): Connection.Close would wait for it; the shutdown in
             # end() cuts it short. Set first, is_closing keeps the others from reading.
             if self.reason is None and self._transport.connected:
                 self.is_closing = True
             if self.is_closing and self.reason is None and not self.reader.reading:
-                closed_ok = Waiter()
-                self._closed_ok = closed_ok
-                args = dumps(argsig, (reply_code, reply_text, method_sig[0], method_sig[1]))
+                self._closed_ok = Waiter()
                 try:
-                    # After everything that returned before it; nothing can follow it. A
-                    # tenth of the time is left to stop the reader and close the socket.
-                    by = deadline - timeout / 10
-                    sig, last = spec.Connection.Close, lambda: intentional
-                    self.send_frames(0, sig, args, None, timeout=by - monotonic(), last=last)
-                    self.end(intentional)
-                    self.reader.wait(closed_ok, by, closing=True)
+                    # After everything that returned before it; nothing can follow it.
+                    sig, last = spec.Connection.Close, _closed_by_close
+                    self.send_frames(0, sig, args, None, timeout=write_by - monotonic(), last=last)
+                    self.end(_closed_by_close())
+                except (OSError, AMQPError, TimeoutError, ConnectionClosedIntentionally):
+                    self._closed_ok = None  # the link is going away either way
+        except BaseException:
+            self._close_lock.release()
+            raise
+        return True
+
+    def _finish_close(self, ok_by: float, deadline: float) -> None:
+        """close()'s second step: wait for ``CloseOk`` until ``ok_by``, then release
+        everything by ``deadline``, and the close lock."""
+        try:
+            closed_ok = self._closed_ok
+            if closed_ok is not None:
+                try:
+                    self.reader.wait(closed_ok, ok_by, closing=True)
                 except (OSError, AMQPError, TimeoutError, ConnectionClosedIntentionally):
                     pass  # the link is going away either way
-            self.end(intentional, deadline)
+            self.end(_closed_by_close(), deadline)
         finally:
             self._close_lock.release()
 
@@ -358,16 +382,25 @@ class Connection(amqp.Connection):
         self.end(ConnectionClosedIntentionally("connection collected"), monotonic() + CLOSE_TIMEOUT)
 
     def _release(self, deadline: float) -> None:
-        """Stop the reader, close the socket and channels; once per connection."""
-        if not self.reader.stop(max(deadline - monotonic(), 0.0)):
-            logger.warning("the drainer thread of %r did not stop in time", self)
-        self._close_socket(deadline)
-        self.inbox.close()
-        _connections.discard(self)
-        for channel in list((self.channels or {}).values()):
-            if channel is not self:
-                channel.collect()
-        self._transport = self.connection = self.channels = None  # type: ignore[assignment]
+        """Stop the reader, close the socket and channels; once per connection, whichever
+        thread comes first (close(), collect(), the exit hook); a second waits for it."""
+        if not self._release_lock.acquire(timeout=max(deadline - monotonic(), 0.0)):
+            return  # another thread is releasing it, within its own bound
+        try:
+            if self._released:
+                return
+            self._released = True
+            if not self.reader.stop(max(deadline - monotonic(), 0.0)):
+                logger.warning("the drainer thread of %r did not stop in time", self)
+            self._close_socket(deadline)
+            self.inbox.close()
+            _connections.discard(self)
+            for channel in list((self.channels or {}).values()):
+                if channel is not self:
+                    channel.collect()
+            self._transport = self.connection = self.channels = None  # type: ignore[assignment]
+        finally:
+            self._release_lock.release()
 
     # -- the drainer's sink ----------------------------------------------------------------
     def dispatch_frames(self, frames: list[Frame]) -> None:
@@ -428,7 +461,7 @@ class Connection(amqp.Connection):
         while it waits; drainer mode sleeps until the drainer queues something."""
         if not self._handshake_complete:
             return super().drain_events(timeout)  # connect(): py-amqp's own handshake
-        deadline = None if timeout is None else monotonic() + timeout
+        deadline = deadline_after(timeout)
         while True:
             self.reader.wait(self.inbox, deadline)
             self.raise_if_ended()
@@ -506,13 +539,33 @@ class Connection(amqp.Connection):
 _connections: weakref.WeakSet[Connection] = weakref.WeakSet()
 
 
+def _closed_by_close() -> ConnectionClosedIntentionally:
+    return ConnectionClosedIntentionally("connection closed by close()")
+
+
 @atexit.register
 def _close_at_exit() -> None:
     """An exit without ``close()`` closes what is open, all within ``CLOSE_TIMEOUT``: a
-    broker whose connection drops may lose publishes it has read but not yet routed."""
+    broker whose connection drops may lose publishes it has read but not yet routed.
+
+    Every connection's ``Connection.Close`` is written first, each write bounded by its
+    share of the time left, then every ``CloseOk`` is awaited (they arrive together), so
+    one stalled broker costs the others nothing; connections opened meanwhile are
+    closed in the same way while time is left. No thread is started (Python 3.12 refuses
+    one at exit)."""
     deadline = monotonic() + CLOSE_TIMEOUT
-    for conn in list(_connections):
-        conn.close(timeout=max(deadline - monotonic(), 0.0))
+    ok_by = deadline - CLOSE_TIMEOUT / 10  # as close(): a tenth to release
+    args = dumps("BsBB", (0, "", 0, 0))
+    seen: set[Connection] = set()
+    while monotonic() < deadline and (opened := [c for c in list(_connections) if c not in seen]):
+        closing = []
+        for i, conn in enumerate(opened):
+            seen.add(conn)
+            share = max(ok_by - monotonic(), 0.0) / (len(opened) - i)
+            if conn._send_close(args, share, monotonic() + share):
+                closing.append(conn)
+        for conn in closing:
+            conn._finish_close(ok_by, deadline)
 
 
 def _after_fork_in_child() -> None:

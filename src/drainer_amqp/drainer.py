@@ -170,7 +170,7 @@ class Drainer:
             if interval:
                 due = min(last_sent + interval / 2, last_recv + 2 * interval)
                 timeout = min(timeout, max(0.0, due - monotonic()))
-            if not paused and self._tls and self._sock.pending():  # type: ignore[attr-defined]
+            if not paused and self._tls and self._tls_pending():
                 readable = True  # decrypted bytes that select cannot see
             else:
                 readable = False
@@ -226,6 +226,10 @@ class Drainer:
             stats.dispatches += 1
             self._sink.dispatch_frames(frames)
         return True
+
+    def _tls_pending(self) -> int:
+        with self._sink.io_lock:  # SSL_pending beside a writer's SSL_write is unsafe
+            return self._sock.pending()  # type: ignore[attr-defined, no-any-return]
 
     def _recv_tls(self) -> bytes | None:
         sock = self._sock

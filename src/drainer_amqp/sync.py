@@ -10,9 +10,27 @@ from __future__ import annotations
 import socket
 import threading
 from collections import deque
+from time import monotonic
 from typing import Any, Protocol
 
-__all__ = ["Awaitable", "FairRLock", "SelfPipe", "Waiter"]
+__all__ = ["Awaitable", "FairRLock", "SelfPipe", "Waiter", "deadline_after", "lock_timeout"]
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """The ``monotonic()`` deadline of a wait of ``timeout`` seconds; None for no limit
+    (``timeout`` None, or too long for any wait to express)."""
+    if timeout is None or timeout >= threading.TIMEOUT_MAX:
+        return None
+    return monotonic() + timeout
+
+
+def lock_timeout(timeout: float | None) -> float:
+    """``Lock.acquire``'s timeout for a wait of ``timeout`` seconds (None: no limit): -1
+    for none, and none for one too long to express (``float('inf')`` would raise
+    ``OverflowError`` in the wait)."""
+    if timeout is None or timeout >= threading.TIMEOUT_MAX:
+        return -1
+    return max(timeout, 0.0)
 
 
 class Awaitable(Protocol):
@@ -68,7 +86,7 @@ class Waiter:
         """Block until filled or ``timeout``; the owner's thread only."""
         if self.done:
             return True
-        if self._signal.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+        if self._signal.acquire(timeout=lock_timeout(timeout)):
             self._signal.release()  # a later wait() returns at once
             return True
         return self.done
@@ -144,7 +162,7 @@ class FairRLock:
             turn.acquire()
             entry = (me, turn)
             self._waiters.append(entry)
-        if turn.acquire(timeout=timeout):
+        if turn.acquire(timeout=lock_timeout(None if timeout < 0 else timeout)):
             return True  # release() made us the owner before waking us
         with self._mutex:
             if self._owner == me:  # handed over just as we timed out

@@ -9,13 +9,22 @@ A thread with a complete message (all its frames, already encoded) calls
   only what the kernel had accepted, as with stock py-amqp.
 * **One writer at a time, in turns.** If nobody is writing, the caller becomes the
   *leader* and writes its own message. Otherwise it joins the queue and sleeps. When
-  a leader's write is done, it hands the whole queue to the first waiter in it, who
-  writes that queue as one batch (one ``sendall``), and so on; then it wakes every
-  waiter whose message it wrote (the next write need not wait for those wake-ups).
+  a leader's write is done, it takes the whole queue as the next batch and hands it to
+  the first waiter in it, who writes it as one ``sendall``, and so on; then it wakes
+  every waiter whose message it wrote (the next write need not wait for those wake-ups).
   First come, first served: a call waits for at most the batch being written, then its
   own batch is written (by itself or by the leader ahead of it). Nobody waits behind a
   stream of newcomers, and a leader writes its own batch, then at most the replies
   nobody waits for, before it returns.
+* **Taken means written.** A message is *taken* when it enters a batch that is about to
+  be written: its ``take`` callback runs then, under the writer's lock, in batch order
+  (so a delivery tag given there is the broker's count), and may refuse the message by
+  raising. Until it is taken a message may leave the queue (its caller timed out or was
+  interrupted: it was never numbered nor written); once taken it is written, or the
+  connection fails. Only its own thread removes a queued message; only a leader takes.
+* **Every write has a deadline** when its writer has one (``send(timeout=...)``): a
+  ``sendall`` that does not finish in time may have left part of a frame on the wire,
+  so the connection ends (``on_error``), as for any failed write.
 * **A failure reaches every waiter at once.** :meth:`fail` makes every queued message
   raise the connection's reason (none of them was written) and every later ``send``
   raise it; the leader's write of its batch either ends (written: those calls return)
@@ -23,6 +32,12 @@ A thread with a complete message (all its frames, already encoded) calls
 * **A last message.** ``send(..., last=error)`` queues a message (``Connection.Close``)
   and refuses every later ``send`` with ``error()`` in the same step, so nothing can be
   written behind it and reported as sent.
+* **Every way out restores the turn.** A timeout or an exception (``KeyboardInterrupt``
+  from a signal handler) in a waiting thread removes its message if it was not taken;
+  a thread that was handed the lead, or that leads, writes what it was handed and hands
+  on the lead before the exception propagates. State changes happen under the lock, and
+  the wake-ups after it can be repeated, so the clean-up can always finish what the
+  interrupted step began.
 
 ``block=False`` (heartbeats, and the replies of the thread that reads) never sleeps:
 the message is queued for the leader, or written at once when nobody is writing.
@@ -36,22 +51,36 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable
+from functools import partial
+from time import monotonic
 from typing import Any
+
+from .sync import deadline_after, lock_timeout
 
 __all__ = ["Writer"]
 
-_QUEUED, _WRITTEN, _FAILED, _LEAD = range(4)
+# A message's state, changed under the writer's lock only.
+_QUEUED, _TAKEN, _LEAD, _WRITTEN, _FAILED = range(5)
+#: How often an interrupted clean-up is taken up again before it gives up.
+_CLEAN_UP_TRIES = 10
 
 
 class _Message:
-    """One queued message and the wake-up of the thread that waits for it."""
+    """One message, and the wake-up of the thread that waits for it."""
 
-    __slots__ = ("chunks", "state", "batch", "_signal")
+    __slots__ = ("chunks", "take", "state", "error", "batch", "written", "wake_next", "_signal")
 
-    def __init__(self, chunks: list[bytes | memoryview], waits: bool) -> None:
+    def __init__(
+        self, chunks: list[bytes | memoryview], take: Callable[[], Any] | None, waits: bool
+    ) -> None:
         self.chunks = chunks
-        self.state = _QUEUED  # written under the writer's lock, or by the leader
-        self.batch: list[_Message] = []  # what to write, when handed the lead
+        self.take = take
+        self.state = _QUEUED
+        self.error: BaseException | None = None  # why it was refused, if it was
+        # While its thread holds the lead: what to write, what it wrote, whom to wake.
+        self.batch: list[_Message] = []
+        self.written: list[_Message] = []
+        self.wake_next: list[_Message] = []
         self._signal: threading.Lock | None = None
         if waits:
             self._signal = threading.Lock()
@@ -61,14 +90,17 @@ class _Message:
     def waits(self) -> bool:
         return self._signal is not None
 
-    def wake(self, state: int) -> None:
-        self.state = state
+    def wake(self) -> None:
+        """Wake its thread (after its state changed); waking twice is harmless."""
         if self._signal is not None:
-            self._signal.release()
+            try:
+                self._signal.release()
+            except RuntimeError:
+                pass
 
     def wait(self, timeout: float | None) -> bool:
         assert self._signal is not None
-        return self._signal.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+        return self._signal.acquire(timeout=lock_timeout(timeout))
 
 
 class Writer:
@@ -91,8 +123,9 @@ class Writer:
         self.io_lock = io_lock
         self._sock = sock
         self._on_error = on_error
-        # Guards _queue, _leading and _error. Held to queue a message or to hand the
-        # lead over; never across a write or a wait. Taken by every sending thread.
+        # Guards _queue, _leading, _error and every message's state. Held to queue, take
+        # or remove a message and to hand the lead over; never across a write or a
+        # wait. Taken by every sending thread; take callbacks run under it.
         self._lock = threading.Lock()
         self._queue: list[_Message] = []
         self._leading = False  # a thread holds the lead: it writes, or is about to
@@ -108,14 +141,16 @@ class Writer:
         with self._lock:
             self._error = error
             queued, self._queue = self._queue, []
+            for message in queued:
+                message.state = _FAILED
         for message in queued:
-            message.wake(_FAILED)
+            message.wake()
 
     def send(
         self,
         data: list[bytes | memoryview],
         *,
-        number: Callable[[], Any] | None = None,
+        take: Callable[[], Any] | None = None,
         timeout: float | None = None,
         block: bool = True,
         last: Callable[[], BaseException] | None = None,
@@ -123,92 +158,177 @@ class Writer:
         """Write ``data`` (the frames of one message) after everything queued before it;
         return once it is written.
 
-        ``number`` is called as the message takes its place in the queue, so what it
-        numbers (delivery tags) follows the write order. ``block=False``: return at once
-        if another thread is writing (the message goes out with its batch). ``last``:
-        refuse every later send with ``last()``. Raises the connection's reason when it
-        failed before the message was written, ``TimeoutError`` when the message waited
-        ``timeout`` without being written (it was not, unless the error says it may
-        have been), or the socket's error when this thread's write failed.
+        ``take`` is called, under the writer's lock, as the message is taken into a batch
+        that is written (see the module docstring); an exception from it refuses the
+        message and is raised here. ``block=False``: return at once if another thread is
+        writing (the message goes out with its batch). ``last``: refuse every later send
+        with ``last()``. Raises the connection's reason when it failed before the message
+        was written, ``TimeoutError`` when the message waited ``timeout`` without being
+        written (it was not, unless the error says it may have been) or when the write
+        itself did not end in time (the connection then ends), or the socket's error
+        when this thread's write failed.
         """
-        message = _Message(data, block)
-        with self._lock:
-            if self._error is not None:
-                raise self._error()
-            if number is not None:
-                number()
-            if last is not None:
-                self._error = last
-            lead = not self._leading
-            if lead:
-                self._leading = True
-            else:
-                self._queue.append(message)  # from here on only the leaders touch it
-        if lead:
-            self._lead([message], message)
-        elif block:
-            self._await_turn(message, timeout)
+        deadline = deadline_after(timeout)
+        message = _Message(data, take, block)
+        try:
+            with self._lock:
+                if self._error is not None:
+                    raise self._error()
+                if self._leading:
+                    self._queue.append(message)  # from here on only a leader takes it
+                else:
+                    self._take([message])
+                    if message.state == _FAILED:
+                        assert message.error is not None
+                        raise message.error
+                    self._leading = True
+                    message.batch = [message]
+                    message.state = _LEAD
+                if last is not None:
+                    self._error = last
+            if message.state == _LEAD:
+                self._lead(message, deadline)
+            elif block:
+                self._await_turn(message, deadline)
+        except BaseException:
+            self._withdraw(message, deadline)
+            raise
 
-    def _await_turn(self, message: _Message, timeout: float | None) -> None:
+    def _await_turn(self, message: _Message, deadline: float | None) -> None:
         """Sleep until ``message`` is written (return), failed (raise), or handed the
         lead (write its batch)."""
-        if not message.wait(timeout):
+        if not message.wait(None if deadline is None else deadline - monotonic()):
             with self._lock:
-                try:
+                if message.state == _QUEUED:
                     self._queue.remove(message)
-                except ValueError:
-                    pass  # taken into a batch: being written, or handed to us to write
-                else:
                     raise TimeoutError("write timed out: the socket is not draining")
-            if message.state == _QUEUED:  # not yet written, failed or handed the lead
+            if message.state == _TAKEN:
                 raise TimeoutError(
                     "write timed out while its batch was being written: it may have been"
                 )
         if message.state == _FAILED:
-            assert self._error is not None  # on_error ends the connection: fail() ran
-            raise self._error()
+            raise self._failure(message)
         if message.state == _LEAD:
-            self._lead(message.batch, message)
+            self._lead(message, deadline)
 
-    def _lead(self, batch: list[_Message], mine: _Message) -> None:
-        """Write ``batch`` (which holds ``mine``), hand the queue to the first waiter in
-        it (or write it too, if nobody in it waits; release the lead when nothing is
-        queued), then wake the batch's waiters."""
-        while True:
-            try:
-                self._write(batch)
-            except BaseException:
-                with self._lock:
-                    self._leading = False
-                    queued, self._queue = self._queue, []
-                for message in batch + queued:
-                    if message is not mine:
-                        message.wake(_FAILED)
-                raise
-            written = batch
-            with self._lock:
-                batch, self._queue = self._queue, []
-                successor = next((m for m in batch if m.waits), None)
-                if successor is not None:
-                    successor.batch = batch
-                    successor.state = _LEAD
-                elif not batch:
-                    self._leading = False
-            if successor is not None:
-                successor.wake(_LEAD)
-            for message in written:
-                if message is not mine:
-                    message.wake(_WRITTEN)
-            if successor is not None or not batch:
+    def _withdraw(self, message: _Message, deadline: float | None) -> None:
+        """A call leaves early (a timeout, an interrupt): leave the writer as if it had
+        never come. A message still queued leaves the queue; a lead it holds is carried
+        out (its batch written, the lead handed on) and the wake-ups owed are done. An
+        interruption of that clean-up is taken up where it stopped."""
+        with self._lock:
+            if message.state == _QUEUED and message in self._queue:
+                self._queue.remove(message)
                 return
+        for _ in range(_CLEAN_UP_TRIES):
+            try:
+                self._lead(message, deadline)
+                return
+            except BaseException:  # noqa: BLE001, S112 - the caller raises its own error
+                continue
 
-    def _write(self, batch: list[_Message]) -> None:
+    def _lead(self, mine: _Message, deadline: float | None) -> None:
+        """Write ``mine.batch`` (taken already), then hand the queue, taken as the next
+        batch, to the first waiter in it (or write it too, if nobody in it waits; release
+        the lead when nothing is queued), then wake the threads that are owed it. Called
+        again after an interruption, it carries on where it stopped."""
+        while True:
+            self._wake_owed(mine)
+            if mine.state != _LEAD:
+                return
+            if mine.batch:
+                try:
+                    self._write(mine.batch, deadline)
+                except BaseException as exc:
+                    self._failed(mine, exc)
+                    raise
+                mine.written, mine.batch = mine.batch, []
+            self._hand_over(mine)
+
+    def _hand_over(self, mine: _Message) -> None:
+        """After ``mine.written`` is written: take the queue as the next batch and give it
+        to its first waiter, or keep it (nobody in it waits), or release the lead."""
+        with self._lock:
+            queued = self._queue
+            self._take(queued)  # first: an interrupted take leaves the queue as it was
+            self._queue = []
+            batch = [m for m in queued if m.state == _TAKEN]
+            written, mine.written = mine.written, []
+            for message in written:
+                message.state = _WRITTEN
+            mine.state = _WRITTEN
+            successor = next((m for m in batch if m.waits), None)
+            if successor is not None:
+                successor.batch = batch
+                successor.state = _LEAD
+            elif batch:
+                mine.batch = batch
+                mine.state = _LEAD  # nobody in it waits: this thread writes it too
+            else:
+                self._leading = False
+            owed = [successor] if successor is not None else []
+            refused = [m for m in queued if m.state == _FAILED]
+            mine.wake_next = owed + [m for m in written if m is not mine] + refused
+
+    def _failed(self, mine: _Message, exc: BaseException) -> None:
+        """The write of ``mine.batch`` failed: it and the queue fail, the lead is
+        released."""
+        with self._lock:
+            if self._error is None:  # on_error did not end the connection
+                self._error = partial(ConnectionError, f"write failed: {exc!r}")
+            self._leading = False
+            failed = mine.batch + self._queue
+            mine.batch, self._queue = [], []
+            for message in failed:
+                message.state = _FAILED
+            mine.state = _FAILED
+            mine.wake_next = [m for m in failed if m is not mine]
+        self._wake_owed(mine)
+
+    @staticmethod
+    def _wake_owed(mine: _Message) -> None:
+        while mine.wake_next:
+            mine.wake_next[-1].wake()
+            mine.wake_next.pop()
+
+    @staticmethod
+    def _take(queued: list[_Message]) -> None:
+        """Under the lock: run the take callbacks of the messages of ``queued`` not taken
+        yet, in order; a refused one fails, with its callback's error."""
+        for message in queued:
+            if message.state != _QUEUED:
+                continue
+            try:
+                if message.take is not None:
+                    message.take()
+            except Exception as exc:  # noqa: BLE001 - the refusal is the sender's to raise
+                message.error = exc
+                message.state = _FAILED
+            else:
+                message.state = _TAKEN
+
+    def _failure(self, message: _Message) -> BaseException:
+        if message.error is not None:
+            return message.error
+        assert self._error is not None  # set before any message fails without its own error
+        return self._error()
+
+    def _write(self, batch: list[_Message], deadline: float | None) -> None:
         chunks = [chunk for message in batch for chunk in message.chunks]
         payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        sock = self._sock
         try:
             with self.io_lock:
-                self._sock.sendall(payload)
-        except OSError as exc:
+                if deadline is None:
+                    sock.sendall(payload)
+                else:
+                    previous = sock.gettimeout()
+                    sock.settimeout(max(deadline - monotonic(), 0.001))
+                    try:
+                        sock.sendall(payload)
+                    finally:
+                        sock.settimeout(previous)
+        except OSError as exc:  # socket.timeout too: part of a frame may be on the wire
             raise self._on_error(exc) from exc
         except BaseException as exc:  # interrupted mid-write: the stream may end mid-frame
             self._on_error(exc)

@@ -1,0 +1,265 @@
+"""A channel the broker closes while other threads use it.
+
+After the broker's ``Channel.Close`` and our ``CloseOk`` the channel does not exist on
+the broker: anything else written on it before a ``Channel.Open`` makes RabbitMQ end
+the whole connection (504 CHANNEL_ERROR). So nothing of a closed channel's may be
+written after its CloseOk, a confirm it waited for fails at once, and the thread that
+reopens it writes Channel.Open before anyone else's method. Forced with a fake broker
+and hooks; then the real broker closes a channel under ten publishing threads.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+from amqp import Message, spec
+from amqp.exceptions import ChannelError, NotFound
+from support.broker import JOIN, unique_name, wait_until
+from support.fake_broker import FakeBroker, fake_broker, method
+from support.publishing import connect, queue_bodies
+
+import drainer_amqp
+from drainer_amqp.sync import Waiter
+
+MODES = ["drainer", "legacy"]
+CLOSE_404 = (404, "NOT_FOUND - no queue 'missing'", 50, 10)
+
+
+@pytest.fixture(params=["default", "tiny-switch-interval"])
+def switching(request: pytest.FixtureRequest) -> Iterator[None]:
+    previous = sys.getswitchinterval()
+    if request.param != "default":
+        sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(previous)
+
+
+def start(target: Callable[[], object], name: str) -> tuple[threading.Thread, list[Any]]:
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(target())
+        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def methods_on(broker: FakeBroker, channel: int) -> list[tuple[int, int]]:
+    with broker._lock:  # noqa: SLF001 - the record of what the client wrote
+        return [sig for ch, sig, _ in broker.methods if ch == channel]
+
+
+def assert_nothing_between_close_ok_and_open(sigs: list[tuple[int, int]]) -> None:
+    closed = False
+    for sig in sigs:
+        if sig == spec.Channel.CloseOk:
+            closed = True
+        elif sig == spec.Channel.Open:
+            closed = False
+        else:
+            assert not closed, f"{sig} written on a closed channel: {sigs}"
+
+
+@pytest.mark.parametrize("confirms", [False, True])
+def test_a_publish_that_passed_its_check_is_not_written_after_close_ok(
+    monkeypatch: pytest.MonkeyPatch, confirms: bool, switching: None
+) -> None:
+    """P1 is writing (held); P2 has looked at the channel (open) and is about to queue;
+    then the broker closes the channel and our CloseOk is queued. P2's publish must not
+    go out behind the CloseOk: it is refused as it is taken for writing."""
+    with fake_broker() as broker:
+        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
+        conn.connect()
+        try:
+            channel = conn.channel()
+            publish = channel.basic_publish
+            if confirms:
+                channel.confirm_select()
+                publish = channel.basic_publish_confirm
+            assert conn.writer is not None
+            looked, go = threading.Event(), threading.Event()
+            real_wait_unblocked = conn.wait_unblocked
+
+            def wait_unblocked(timeout: float | None) -> None:  # after the channel's check
+                if threading.current_thread().name == "P2":
+                    looked.set()
+                    assert go.wait(JOIN)
+                real_wait_unblocked(timeout)
+
+            monkeypatch.setattr(conn, "wait_unblocked", wait_unblocked)
+            conn.io_lock.acquire()  # P1's write waits here, holding the lead
+            try:
+                p1, p1_out = start(lambda: publish(Message(b"1"), routing_key="q"), "P1")
+                assert wait_until(lambda: conn.writer is not None and conn.writer.busy, JOIN)
+                p2, p2_out = start(lambda: publish(Message(b"2"), routing_key="q"), "P2")
+                assert looked.wait(JOIN)
+                broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
+                # The drainer read it: the CloseOk waits in the queue behind P1's write.
+                assert wait_until(lambda: len(conn.writer._queue) == 1, JOIN)  # type: ignore[union-attr]  # noqa: SLF001
+                go.set()
+                assert wait_until(lambda: len(conn.writer._queue) == 2, JOIN)  # type: ignore[union-attr]  # noqa: SLF001
+            finally:
+                conn.io_lock.release()
+            for thread in (p1, p2):
+                thread.join(JOIN)
+                assert not thread.is_alive()
+            assert isinstance(p2_out[0], NotFound), p2_out
+            if confirms:  # its confirm will never come: failed at once, not at a timeout
+                assert isinstance(p1_out[0], NotFound), p1_out
+            else:
+                assert p1_out == [None]  # written before the CloseOk: returned
+            # P2 reopened the channel: Channel.Open, then the channel works again.
+            assert broker.wait_for(spec.Channel.Open, count=2)
+            channel.basic_publish(Message(b"3"), routing_key="q")
+            assert broker.wait_for(spec.Basic.Publish, count=2)
+            sigs = methods_on(broker, 1)
+            assert_nothing_between_close_ok_and_open(sigs)
+            assert sigs.count(spec.Basic.Publish) == 2, sigs  # P1's and the last
+            assert len(channel.confirms) == 0
+            assert conn.reason is None
+        finally:
+            conn.close()
+
+
+def test_the_thread_that_reopens_a_channel_writes_channel_open_first(
+    monkeypatch: pytest.MonkeyPatch, switching: None
+) -> None:
+    """While one thread reopens the channel, another thread's method must wait for the
+    Channel.Open to be taken, or raise the close error: never go out before it."""
+    with fake_broker(answer_declare=True) as broker:
+        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
+        conn.connect()
+        try:
+            channel = conn.channel()
+            broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
+            assert broker.wait_for(spec.Channel.CloseOk)
+            reviving, go = threading.Event(), threading.Event()
+            real_write = channel._write
+
+            def write(conn_: Any, sig: Any, *args: Any, **kwargs: Any) -> None:
+                if sig == spec.Channel.Open:
+                    reviving.set()  # the revive is claimed; Channel.Open not yet written
+                    assert go.wait(JOIN)
+                real_write(conn_, sig, *args, **kwargs)
+
+            monkeypatch.setattr(channel, "_write", write)
+            reviver, reviver_out = start(lambda: channel.basic_qos(0, 10, False), "reviver")
+            assert reviving.wait(JOIN)
+            with pytest.raises(NotFound):  # the channel is still closed for everyone else
+                channel.basic_publish(Message(b"early"), routing_key="q")
+            go.set()
+            reviver.join(JOIN)
+            assert isinstance(reviver_out[0], NotFound), reviver_out
+            channel.basic_publish(Message(b"after"), routing_key="q")
+            assert broker.wait_for(spec.Basic.Publish)
+            assert_nothing_between_close_ok_and_open(methods_on(broker, 1))
+            assert conn.reason is None
+        finally:
+            conn.close()
+
+
+def test_the_drainer_fails_pending_waits_while_other_threads_add_and_remove_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_on_close`` runs in the drainer while user threads register and forget waits in
+    the same dict: it must not iterate the live dict (a RuntimeError there would end the
+    connection for everyone). Forced: a wait is added during any iteration of it."""
+
+    class ChangingWhileIterated(dict):  # type: ignore[type-arg]
+        def values(self) -> Any:  # as if another thread's _expect landed mid-iteration
+            view = super().values()
+            for i, value in enumerate(view):
+                if i == 0:
+                    self[(99, 99)] = Waiter()
+                yield value
+
+        def __iter__(self) -> Any:
+            return iter(list(self.values()))
+
+    with fake_broker() as broker:
+        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
+        conn.connect()
+        try:
+            channel = conn.channel()
+            channel._pending = ChangingWhileIterated(channel._pending)
+            declare, outcome = start(lambda: channel.queue_declare("q", passive=True), "declare")
+            assert broker.wait_for(spec.Queue.Declare)
+            broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
+            declare.join(JOIN)
+            assert isinstance(outcome[0], NotFound), outcome
+            assert conn.reason is None, conn.reason
+        finally:
+            conn.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_broker_closes_a_channel_under_ten_publishing_threads(mode: str) -> None:
+    """Ten threads publish with confirms on one channel while another thread's passive
+    declare of a missing queue makes the broker close it, again and again. The
+    connection survives (no 504), every publish returns or raises within its timeout,
+    and every acked message is in the queue."""
+    queue = unique_name("drainer-chclose")
+    conn = connect(mode)
+    admin = connect("drainer")
+    admin.channel().queue_declare(queue, auto_delete=False)
+    acked: list[bytes] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+    try:
+        channel = conn.channel()
+
+        def publisher(t: int) -> None:
+            n = 0
+            while not stop.is_set():
+                body = b"%d-%d" % (t, n)
+                n += 1
+                try:
+                    channel.basic_publish_confirm(
+                        Message(body), routing_key=queue, timeout=JOIN, confirm_timeout=JOIN
+                    )
+                except ChannelError:
+                    continue  # the channel was closed under it; it reopens
+                except BaseException as exc:  # noqa: BLE001 - asserted below
+                    failures.append(exc)
+                    return
+                acked.append(body)
+
+        threads = [start(partial(publisher, t), f"pub-{t}")[0] for t in range(10)]
+        assert wait_until(lambda: len(acked) >= 50, JOIN)
+        closes = 0
+        for _ in range(20):
+            try:
+                channel.queue_declare("drainer-missing-" + queue, passive=True)
+            except NotFound:
+                closes += 1
+            except ChannelError:
+                pass  # the close of another round, raised here
+        stop.set()
+        for thread in threads:
+            thread.join(JOIN)
+            assert not thread.is_alive(), "a publisher hung"
+        assert closes > 0
+        assert not failures, failures[:3]
+        assert conn.reason is None, conn.reason
+        begun = time.monotonic()
+        channel.basic_publish_confirm(Message(b"last"), routing_key=queue, confirm_timeout=JOIN)
+        assert time.monotonic() - begun < JOIN
+    finally:
+        stop.set()
+        conn.close()
+    bodies = queue_bodies(queue)
+    admin.channel().queue_delete(queue)
+    admin.close()
+    missing = set(acked) - set(bodies)
+    assert not missing, f"acked but not in the queue: {sorted(missing)[:5]}"
+    assert b"last" in bodies
