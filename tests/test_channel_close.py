@@ -257,9 +257,9 @@ def test_the_broker_closes_a_channel_under_ten_publishing_threads(mode: str) -> 
     finally:
         stop.set()
         conn.close()
-    bodies = queue_bodies(queue)
-    admin.channel().queue_delete(queue)
-    admin.close()
+        bodies = queue_bodies(queue)
+        admin.channel().queue_delete(queue)
+        admin.close()
     missing = set(acked) - set(bodies)
     assert not missing, f"acked but not in the queue: {sorted(missing)[:5]}"
     assert b"last" in bodies

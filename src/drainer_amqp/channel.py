@@ -63,6 +63,7 @@ class ChannelConnection(Protocol):
     publish_encoder: PublishEncoder | None
     reason: BaseException | None
     is_closing: bool
+    _channel_id_lock: Any  # guards py-amqp's _used_channel_ids
     messages_sent: int  # counted as each publish is queued
     on_confirm: Callable[[float, bool], None] | None
 
@@ -130,8 +131,12 @@ class Channel(pyamqp.Channel):
         raise error
 
     def collect(self) -> None:
-        self._ended_connection = self.connection or self._ended_connection
-        super().collect()
+        conn = self.connection
+        self._ended_connection = conn or self._ended_connection
+        if conn is None:
+            return super().collect()
+        with conn._channel_id_lock:  # py-amqp's collect frees the id in _used_channel_ids
+            return super().collect()
 
     def close(self, *args: Any, **kwargs: Any) -> Any:
         """As py-amqp's; on a channel whose connection has ended, a quiet no-op."""
@@ -152,8 +157,9 @@ class Channel(pyamqp.Channel):
         for method in methods:
             self._pending[method] = waiter
         conn.waiters.add(waiter)
-        if self._close_error is not None:
-            waiter.fail(self._close_error)
+        error = self._close_error
+        if error is not None:
+            waiter.fail(error)
         return waiter
 
     def _forget(self, conn: ChannelConnection, waiter: Waiter) -> None:
@@ -308,10 +314,13 @@ class Channel(pyamqp.Channel):
 
     # -- dispatch: called by the connection's reader, under the transport lock -----------
     def dispatch_method(self, method_sig: tuple[int, int], payload: bytes, content: Any) -> None:
+        conn = self.connection
+        if conn is None:
+            return  # closed by this side (py-amqp lets go of it even without CloseOk)
         if method_sig in _EVENTS:
             delivery_tag, multiple = unpack_from(">QB", payload, 4)
             if self._returned is not None:
-                self._settle_returned(method_sig, delivery_tag)
+                self._settle_returned(conn, method_sig, delivery_tag)
             self.confirms.settle(method_sig, delivery_tag, bool(multiple))
             if not self.events.get(_EVENTS[method_sig]):
                 return
@@ -324,11 +333,13 @@ class Channel(pyamqp.Channel):
         waiter = self._pending.pop(method_sig, None)  # CancelOk: basic_cancel waits for it
         consumer = first_short_string(payload) if method_sig in _QUEUED_BY_CONSUMER else None
         key = (self.channel_id, consumer)
-        self.connection.inbox.post(key, super().dispatch_method, method_sig, payload, content)
+        conn.inbox.post(key, super().dispatch_method, method_sig, payload, content)
         if waiter is not None:
             waiter(method_sig, first_short_string(payload))
 
-    def _settle_returned(self, method_sig: tuple[int, int], delivery_tag: int) -> None:
+    def _settle_returned(
+        self, conn: ChannelConnection, method_sig: tuple[int, int], delivery_tag: int
+    ) -> None:
         """A message returned with no ``basic_return`` listener: as stock py-amqp, which
         raises the broker's error (312 NO_ROUTE, ...) in the thread that waits for the
         message's confirm, the waiter of the ack that follows the Return gets the error.
@@ -340,12 +351,12 @@ class Channel(pyamqp.Channel):
         error = error_for_code(reply_code, reply_text, spec.Basic.Return, ChannelError)
         if method_sig != _ACK or not self.confirms.fail(delivery_tag, error):
             key = (self.channel_id, None)
-            self.connection.inbox.post(
-                key, super().dispatch_method, spec.Basic.Return, payload, content
-            )
+            conn.inbox.post(key, super().dispatch_method, spec.Basic.Return, payload, content)
 
     def _on_close(self, reply_code: int, reply_text: str, class_id: int, method_id: int) -> None:
         conn = self.connection
+        if conn is None:
+            return  # let go of by this side meanwhile
         # The broker closed this channel. Reopening it needs a wait, which the drainer must
         # never do, and which in legacy mode belongs to the thread that used the channel:
         # record the error (before CloseOk is queued: nothing of this channel's is written
@@ -442,8 +453,9 @@ class Channel(pyamqp.Channel):
         waiter: Waiter | None,
     ) -> int:
         conn = self._live_conn()
-        if self._close_error is not None:
-            self._raise_channel_error(conn, self._close_error)
+        error = self._close_error
+        if error is not None:
+            self._raise_channel_error(conn, error)
         conn.wait_unblocked(timeout)
         tag = 0
 
@@ -474,10 +486,10 @@ class Channel(pyamqp.Channel):
                 conn, spec.Basic.Publish, args, msg, take=take, timeout=timeout, encoded=chunks
             )
         except TimeoutError as exc:
-            self.confirms.drop(tag)
+            self.confirms.drop(tag, waiter)
             raise RecoverableConnectionError("basic_publish: timed out") from exc
         except BaseException:
-            self.confirms.drop(tag)
+            self.confirms.drop(tag, waiter)
             raise
         return tag
 
@@ -506,10 +518,11 @@ class Channel(pyamqp.Channel):
             )
             method_sig, _ = self._await(waiter, conn, confirm_timeout or timeout)
         finally:
-            self.confirms.drop(tag)
+            self.confirms.drop(tag, waiter)
             conn.waiters.discard(waiter)
-        if conn.on_confirm is not None:
-            conn.on_confirm(monotonic() - start, method_sig != _NACK)
+        on_confirm = conn.on_confirm
+        if on_confirm is not None:
+            on_confirm(monotonic() - start, method_sig != _NACK)
         if method_sig == _NACK:
             raise MessageNacked()
         return promise()

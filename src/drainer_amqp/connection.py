@@ -44,6 +44,11 @@ logger = logging.getLogger(__name__)
 
 #: How long a publish waits while the broker has blocked the connection.
 BLOCKED_TIMEOUT = 10.0
+#: The heartbeat a drainer connection asks for when none is given (0 or None, kombu's
+#: and py-amqp's default): RabbitMQ's own suggestion. The drainer makes heartbeats free,
+#: and without them a publish-only connection dies unnoticed. ``heartbeat=False`` turns
+#: them off; legacy mode keeps stock's default (none).
+DRAINER_HEARTBEAT = 60
 #: How many callbacks may wait for ``drain_events()`` before the drainer stops reading
 #: (checked between socket reads, so one read's deliveries may go past it).
 INBOX_LIMIT = 10_000
@@ -58,7 +63,9 @@ class Connection(amqp.Connection):
 
     Extra keyword arguments (also kombu transport options): ``dedicated_drainer``,
     ``blocked_timeout`` (seconds a publish waits on a blocked connection, default 10)
-    and ``inbox_limit`` (callbacks queued before the drainer stops reading, 10000).
+    and ``inbox_limit`` (callbacks queued before the drainer stops reading, 10000). With
+    ``dedicated_drainer``, ``heartbeat`` defaults to :data:`DRAINER_HEARTBEAT` seconds
+    (``heartbeat=False``: none).
     """
 
     Channel = Channel
@@ -67,6 +74,7 @@ class Connection(amqp.Connection):
     #: the broker's answer and whether it was an ack (not a nack); quick, never raising.
     on_confirm: Callable[[float, bool], None] | None = None
     _transport: Any
+    client_heartbeat: Any  # py-amqp's: the heartbeat asked for
 
     def __init__(
         self,
@@ -105,10 +113,13 @@ class Connection(amqp.Connection):
         self.dispatching_thread: int | None = None
         self._init_locks()
         super().__init__(*args, **kwargs)
+        if dedicated_drainer and self.client_heartbeat is not False and not self.client_heartbeat:
+            self.client_heartbeat = DRAINER_HEARTBEAT
         # A caller's own frame_writer is kept: it encodes, the Writer sends.
         self._frame_writer_cls: Callable[..., Any] = self.frame_writer_cls  # type: ignore[has-type]
         self.frame_writer_cls = self._writer_for
-        _connections.add(self)
+        with _connections_lock:
+            _connections.add(self)
 
     def _init_locks(self) -> None:
         # transport_lock guards py-amqp's reading state (held by whoever dispatches);
@@ -335,13 +346,14 @@ class Connection(amqp.Connection):
         if not self._close_lock.acquire(timeout=max(lock_timeout, 0.0)):
             return False
         try:
-            if self._transport is None:
+            transport = self._transport
+            if transport is None:
                 self._close_lock.release()
                 return False  # released already
             # A legacy reader blocked in a read holds the transport lock until the read
             # returns (maybe never): Connection.Close would wait for it; the shutdown in
             # end() cuts it short. Set first, is_closing keeps the others from reading.
-            if self.reason is None and self._transport.connected:
+            if self.reason is None and transport.connected:
                 self.is_closing = True
             if self.is_closing and self.reason is None and not self.reader.reading:
                 self._closed_ok = Waiter()
@@ -373,8 +385,9 @@ class Connection(amqp.Connection):
 
     def _on_close_ok(self) -> None:
         # CloseOk (the broker's, or ours to its Close): close() or end() tears down.
-        if self._closed_ok is not None:
-            self._closed_ok(spec.Connection.CloseOk)
+        closed_ok = self._closed_ok
+        if closed_ok is not None:
+            closed_ok(spec.Connection.CloseOk)
 
     def collect(self) -> None:
         """Tear down without the close handshake (kombu calls this after errors); a
@@ -394,7 +407,8 @@ class Connection(amqp.Connection):
                 logger.warning("the drainer thread of %r did not stop in time", self)
             self._close_socket(deadline)
             self.inbox.close()
-            _connections.discard(self)
+            with _connections_lock:
+                _connections.discard(self)
             for channel in list((self.channels or {}).values()):
                 if channel is not self:
                     channel.collect()
@@ -429,8 +443,9 @@ class Connection(amqp.Connection):
             self.end(self.as_connection_error(error))
         if not isinstance(self.reason, ConnectionClosedIntentionally):
             self._close_socket()  # failed: let the socket go now (as end() does, by its reader)
-        if self._closed_ok is not None:
-            self._closed_ok.fail()  # a close() in progress need not wait any longer
+        closed_ok = self._closed_ok
+        if closed_ok is not None:
+            closed_ok.fail()  # a close() in progress need not wait any longer
 
     # -- reading ---------------------------------------------------------------------------
     def on_inbound_method(
@@ -448,6 +463,8 @@ class Connection(amqp.Connection):
         if method_sig == spec.Connection.Blocked:
             self._blocked_reason = first_short_string(payload)
             self._unblocked.clear()
+            if self.reason is not None:  # end() set it meanwhile: nobody waits for Unblocked
+                self._unblocked.set()
         elif method_sig == spec.Connection.Unblocked:
             self._unblocked.set()
         else:
@@ -535,8 +552,17 @@ class Connection(amqp.Connection):
         self.end(ConnectionLost(f"{inherited} in the child"), monotonic())
 
 
-#: Every open connection, for the fork and exit hooks.
+#: Every open connection, for the fork and exit hooks and the metrics. Guarded by
+#: _connections_lock (connections open and close in any thread); a collected one leaves
+#: by itself (WeakSet defers that while it is iterated).
 _connections: weakref.WeakSet[Connection] = weakref.WeakSet()
+_connections_lock = threading.Lock()
+
+
+def open_connections() -> list[Connection]:
+    """A snapshot of every open connection (safe from any thread)."""
+    with _connections_lock:
+        return list(_connections)
 
 
 def _closed_by_close() -> ConnectionClosedIntentionally:
@@ -557,7 +583,7 @@ def _close_at_exit() -> None:
     ok_by = deadline - CLOSE_TIMEOUT / 10  # as close(): a tenth to release
     args = dumps("BsBB", (0, "", 0, 0))
     seen: set[Connection] = set()
-    while monotonic() < deadline and (opened := [c for c in list(_connections) if c not in seen]):
+    while monotonic() < deadline and (opened := [c for c in open_connections() if c not in seen]):
         closing = []
         for i, conn in enumerate(opened):
             seen.add(conn)
@@ -569,7 +595,9 @@ def _close_at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    for conn in list(_connections):
+    global _connections_lock
+    _connections_lock = threading.Lock()  # a parent thread may have held it
+    for conn in open_connections():
         conn._after_fork_in_child()
     _connections.clear()
 

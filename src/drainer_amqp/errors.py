@@ -6,7 +6,9 @@ Every thread that waits on a connection sees the same reason when it ends:
   ``RecoverableConnectionError``, so kombu's ``ensure()``, ``autoretry`` and
   ``Producer.publish(retry=True)`` reconnect.
 * ``ConnectionBlocked`` when a publish waited too long on a connection the broker has
-  blocked (a memory or disk alarm). Recoverable: kombu retries it by its retry policy.
+  blocked (a memory or disk alarm). Recoverable, so kombu's ``ensure()`` treats it as a
+  connection error: it collects (ends) the shared connection for every thread and
+  reconnects (docs/errors.md).
 * ``ConnectionClosedIntentionally`` after ``close()`` (or ``collect()`` of a healthy
   connection). It derives from nothing in the transport's ``connection_errors``,
   ``recoverable_connection_errors`` or ``channel_errors``, so kombu does not reconnect.

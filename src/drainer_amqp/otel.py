@@ -23,7 +23,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Histogram, MeterProvider, Observation
 
 from . import __version__
-from .connection import Connection, _connections
+from .connection import Connection, open_connections
 
 __all__ = ["DrainerMetrics", "instrument"]
 
@@ -126,7 +126,7 @@ class DrainerMetrics:
             Connection.on_confirm = self._previous_hook
 
     def _connections(self) -> list[tuple[Connection, dict[str, Any]]]:
-        return [(c, c.drainer_stats()) for c in list(_connections)] if self._active else []
+        return [(c, c.drainer_stats()) for c in open_connections()] if self._active else []
 
     def _gauge(self, read: _Read) -> Callable[..., Any]:
         """Sums over the open connections, by server and mode."""

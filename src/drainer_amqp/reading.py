@@ -62,7 +62,7 @@ class Reader(Protocol):
 class LegacyConnection(Protocol):
     """What :class:`LegacyReader` uses of its :class:`drainer_amqp.Connection`."""
 
-    transport: Any  # py-amqp's, read under transport_lock
+    _transport: Any  # py-amqp's, read under transport_lock; None once released
     transport_lock: Any
     dispatching_thread: int | None  # the thread dispatching now, under transport_lock
     is_closing: bool
@@ -162,7 +162,9 @@ def read_frame(conn: LegacyConnection, timeout: float | None) -> None:
     (:func:`~drainer_amqp.framing.check_header`) before the payload is read: a bogus
     size fails at once instead of waiting for (and buffering) that many bytes.
     """
-    transport = conn.transport
+    transport = conn._transport  # not py-amqp's .transport, which connects when it is None
+    if transport is None:
+        raise conn.error_for_caller()
     with transport.having_timeout(timeout):
         header = transport._read(HEADER_SIZE, True)  # a timeout here keeps what it read
         transport._read_buffer = header + transport._read_buffer  # read_frame reads it again

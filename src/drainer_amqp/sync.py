@@ -42,7 +42,8 @@ class Awaitable(Protocol):
 
 class Waiter:
     """One thread's wait for a reply: filled by whichever thread reads it, waited on by
-    its owner. Filled at most once: the first of a reply or a failure wins.
+    its owner. A reply and a failure that race may both be stored: the owner looks at
+    the reply first.
 
     The signal is a bare lock, held until the reply (or the end) arrives: waking a thread
     from ``Lock.acquire`` costs less than from ``Event.wait``, which matters when one

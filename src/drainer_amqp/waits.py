@@ -66,9 +66,9 @@ class Confirms:
     """Publisher confirms of one channel: delivery tags in write order, each with the
     waiter of the thread that wants its ack, if any.
 
-    :meth:`number` must be called in the order the publishes are written (the writer
-    calls it just before it queues a publish, under the channel's order lock);
-    :meth:`settle` is called by the reading thread.
+    :meth:`number` must be called in the order the publishes are written: a publish's
+    ``take`` calls it under the writer's lock, as the message enters a batch that is
+    written; :meth:`settle` is called by the reading thread.
     """
 
     def __init__(self, waiters: Waiters) -> None:
@@ -94,12 +94,16 @@ class Confirms:
                 self._waiting[self._tag] = waiter
             return self._tag
 
-    def drop(self, tag: int) -> None:
-        """The publish of ``tag`` no longer wants its ack (it failed, or timed out)."""
+    def drop(self, tag: int, waiter: Waiter | None) -> None:
+        """``waiter`` no longer wants the ack of ``tag`` (its publish failed, timed out, or
+        was answered). Only its own entry goes: after a reset (the channel reopened) the
+        same tag may be another publish's."""
+        if waiter is None:
+            return
         with self._lock:
-            waiter = self._waiting.pop(tag, None)
-        if waiter is not None:
-            self._waiters.discard(waiter)
+            if self._waiting.get(tag) is waiter:
+                del self._waiting[tag]
+        self._waiters.discard(waiter)
 
     def fail(self, tag: int, error: BaseException) -> bool:
         """The message of ``tag`` was returned: its waiter (if any) gets ``error``."""
