@@ -40,6 +40,7 @@ from support.broker import (
 )
 
 import drainer_amqp
+from drainer_amqp.connection import DRAINER_HEARTBEAT
 
 TESTS_DIR = Path(__file__).resolve().parent
 DRAINER_OPTIONS = {"dedicated_drainer": True}
@@ -556,19 +557,20 @@ def test_apply_async_from_many_threads_through_the_pool(broker_url: str, no_leak
 
 
 # -- 4b. heartbeats on pooled producer connections ---------------------------------------------
-def test_broker_heartbeat_setting_does_not_reach_producer_connections(
+def test_producer_connections_get_the_drainers_heartbeat_though_celery_gives_none(
     broker_url: str, no_leaks: None
 ) -> None:
     """Celery passes ``broker_heartbeat`` only to the worker's consumer connection;
-    ``app.pool`` connections are made by ``connection_for_write()`` with heartbeat=None,
-    i.e. none. Pin that, since the README tells users to set the transport option."""
+    ``app.pool`` connections are made by ``connection_for_write()`` with heartbeat=None.
+    With the drainer they still get heartbeats (``DRAINER_HEARTBEAT``), so an idle pooled
+    producer connection is kept alive and a dead one is noticed."""
     queue = unique_name("drainer-celery-hb-setting")
     with celery_app(broker_url, queue, broker_heartbeat=2) as app:
         with app.producer_or_acquire() as producer:
             producer.connection.ensure_connection(max_retries=1)
             conn = producer.connection.connection
             assert conn.drainer_stats()["running"] is True
-            assert not conn.heartbeat
+            assert conn.heartbeat == DRAINER_HEARTBEAT
 
 
 def test_pooled_connection_keeps_heartbeats_while_idle(broker_url: str, no_leaks: None) -> None:

@@ -27,6 +27,7 @@ from support.threads import drain_in_background, wait_until_blocked
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
 from drainer_amqp.channel import CLOSE_TIMEOUT
+from drainer_amqp.connection import DRAINER_HEARTBEAT
 
 MODES = ["legacy", "drainer"]
 
@@ -264,6 +265,35 @@ def test_heartbeats_keep_an_idle_publish_only_connection_alive(connect, queue) -
     assert broker_connection_names(port), "the broker dropped the idle connection"
     channel.basic_publish_confirm(amqp.Message(b"after idle"), routing_key=queue)
     assert wait_until(lambda: count_messages(conn, queue) == 1, 5)
+
+
+@pytest.mark.parametrize(
+    ("mode", "asked", "negotiated"),
+    [
+        ("drainer", None, DRAINER_HEARTBEAT),  # nothing asked: the broker's suggestion
+        ("drainer", 0, DRAINER_HEARTBEAT),  # kombu's default
+        ("drainer", False, 0),  # turned off
+        ("drainer", 7, 7),
+        ("legacy", None, 0),  # stock's default
+    ],
+)
+def test_a_drainer_connection_has_heartbeats_unless_turned_off(
+    mode: str, asked: int | bool | None, negotiated: int
+) -> None:
+    options = {} if asked is None else {"heartbeat": asked}
+    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=mode == "drainer", **options)
+    conn.connect()
+    try:
+        assert conn.heartbeat == negotiated
+    finally:
+        conn.close()
+    with kombu.Connection(
+        f"amqp://guest:guest@{BROKER_HOST}//",
+        transport="drainer_amqp:Transport",
+        transport_options={"dedicated_drainer": mode == "drainer"},
+        **options,
+    ) as kconn:
+        assert kconn.connection.heartbeat == negotiated
 
 
 def test_broker_side_close_is_noticed_at_once(connect, queue) -> None:
