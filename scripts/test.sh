@@ -1,42 +1,112 @@
 #!/usr/bin/env bash
-# Create the environment and run the tests (the README's second command; CI runs it):
-# lint and types, the docs build, the package check, the test suite, then the benchmarks
-# in quick mode, so that their hard bounds and deadlock checks hold on every change, the
-# peer suites, and last the version matrix (noxfile.py: the behaviour tests on the oldest
-# and the newest releases declared). Extra arguments go to the test run.
-set -euo pipefail
+# Create the environment and run the tests (the README's second command; CI runs it), in
+# steps: the install; lint, types, the docs build and the package check; the test suite,
+# with the version matrix (noxfile.py) and then py-amqp's and kombu's own suites beside
+# it (they mostly wait on the broker); last the benchmarks in quick mode, alone, so that
+# their hard bounds and deadlock checks hold on every change. Each step says what it is,
+# how long it usually takes on 2 cores and how long is left; its output goes to
+# .test-logs/STEP.log, its closing lines to the screen (all of it when it fails). Extra
+# arguments go to the test suite's pytest.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test,bench,dramatiq]'
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-.venv/bin/mypy
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet   # the docs site, into site/
-bash scripts/check-package.sh   # build, twine check --strict, the wheel in a clean venv
-.venv/bin/python -m pytest -q "$@"
-DRAINER_BENCH_QUICK=1 .venv/bin/python -m pytest -q tests/benchmarks -m benchmark \
-    -o python_files='test_*.py bench_*.py'
-# py-amqp's and kombu's own integration suites, stock and with the drainer injected.
-bash scripts/peer-suites.sh
-# The version matrix: Python 3.10 with amqp 5.2.0, kombu 5.3.0, celery 5.3.0, and Python
-# 3.13 with the latest, on the wheel checked above. Both sessions at once: they mostly wait
-# on the broker. Each one's log is in .nox/SESSION.log.
-mkdir -p .nox
-start=$(date +%s)
-wheel=$(ls "$PWD"/dist/*.whl)
-DRAINER_WHEEL="$wheel" .venv/bin/nox --no-color -s oldest >.nox/oldest.log 2>&1 &
-oldest=$!
-DRAINER_WHEEL="$wheel" .venv/bin/nox --no-color -s newest >.nox/newest.log 2>&1 &
-newest=$!
-status=0
-for session in oldest newest; do
-  if wait "${!session}"; then
-    grep -E '^3\.[0-9]+\.[0-9]+ amqp|passed|Session' ".nox/$session.log" || true
+logs=$PWD/.test-logs
+rm -rf "$logs" && mkdir -p "$logs"
+begun=$(date +%s)
+left=540 # seconds the steps below usually take in all; each one subtracts its own
+failed=()
+
+# step NAME USUAL LOG COMMAND...: run COMMAND, its output to LOG; say when it overruns.
+step() {
+  local name=$1 usual=$2 log=$logs/$3.log
+  shift 3
+  echo "== $name: usually ${usual} s; about $(((left + 59) / 60)) min left in all"
+  local start
+  start=$(date +%s)
+  "$@" >"$log" 2>&1 &
+  local pid=$! warned=0 elapsed
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    elapsed=$(($(date +%s) - start))
+    if [ "$warned" = 0 ] && [ "$elapsed" -gt $((usual * 2 + 30)) ]; then
+      echo "   $name is taking long: ${elapsed} s so far (usually ${usual} s); see $log"
+      warned=1
+    fi
+  done
+  wait "$pid"
+  report "$name" $? "$log" "$start"
+  left=$((left > usual ? left - usual : 0))
+}
+
+# report NAME STATUS LOG START: the closing lines on success, everything on failure.
+report() {
+  local took=$(($(date +%s) - $4))
+  if [ "$2" = 0 ]; then
+    grep -E '(passed|failed|error|skipped|deselected)[ ,].* in [0-9.]+s|^(py-amqp|kombu) |^3\.[0-9]+\.[0-9]+ amqp|Success|All checks|files already formatted|py.typed' "$3" | sed 's/^/   /'
+    echo "   $1: ok in ${took} s"
   else
-    status=1
-    cat ".nox/$session.log"
+    cat "$3"
+    echo "   $1: FAILED (status $2) after ${took} s; log: $3"
+    failed+=("$1")
   fi
-done
-echo "version matrix done in $(( $(date +%s) - start )) s"
-exit "$status"
+}
+
+install() {
+  python3 -m venv .venv &&
+    .venv/bin/python -m pip install -q --upgrade pip &&
+    .venv/bin/python -m pip install -q -e '.[test,bench,dramatiq]'
+}
+
+checks() {
+  .venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy &&
+    NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet && # into site/
+    bash scripts/check-package.sh # build, twine check --strict, the wheel in a clean venv
+}
+
+# The version matrix (Python 3.10 with amqp 5.2.0, kombu 5.3.0, celery 5.3.0; Python 3.13
+# with the latest) on the wheel the checks built, both sessions at once, then the peer
+# suites: py-amqp's and kombu's integration suites, stock and with the drainer injected.
+beside_the_suite() {
+  local wheel status=0
+  wheel=$(ls "$PWD"/dist/*.whl)
+  DRAINER_WHEEL="$wheel" .venv/bin/nox --no-color -s oldest >"$logs/matrix-oldest.log" 2>&1 &
+  local oldest=$!
+  DRAINER_WHEEL="$wheel" .venv/bin/nox --no-color -s newest >"$logs/matrix-newest.log" 2>&1 &
+  local newest=$!
+  for session in oldest newest; do
+    if wait "${!session}"; then
+      grep -E '^3\.[0-9]+\.[0-9]+ amqp|passed|Session' "$logs/matrix-$session.log"
+    else
+      status=1
+      cat "$logs/matrix-$session.log"
+    fi
+  done
+  bash scripts/peer-suites.sh || status=1
+  return "$status"
+}
+
+step "install (.venv, the project and its test extras)" 60 install install
+[ ${#failed[@]} = 0 ] || exit 1
+step "ruff, mypy, the docs build, the package check" 45 checks checks
+
+# The suite in the foreground; the matrix and the peer suites beside it.
+echo "== beside the suite: the version matrix, then the peer suites (log: $logs/beside.log)"
+beside_start=$(date +%s)
+beside_the_suite >"$logs/beside.log" 2>&1 &
+beside=$!
+step "the test suite (the matrix and the peer suites run beside it)" 330 suite \
+  .venv/bin/python -m pytest -q --durations=25 "$@"
+if kill -0 "$beside" 2>/dev/null; then
+  echo "== waiting for the version matrix and the peer suites"
+fi
+wait "$beside"
+report "the version matrix and the peer suites" $? "$logs/beside.log" "$beside_start"
+
+step "the benchmarks, quick mode (hard bounds only)" 105 benchmarks \
+  env DRAINER_BENCH_QUICK=1 .venv/bin/python -m pytest -q tests/benchmarks -m benchmark \
+  -o python_files='test_*.py bench_*.py'
+
+echo "== done in $(($(date +%s) - begun)) s; logs in $logs/"
+if [ ${#failed[@]} != 0 ]; then
+  printf 'FAILED: %s\n' "${failed[@]}"
+  exit 1
+fi

@@ -1,4 +1,4 @@
-"""The soak, short: scenario A (20 threads, every fault) in drainer mode for 60 s and
+"""The soak, short: scenario A (20 threads, every fault) in drainer mode for 30 s and
 scenario B (8 retrying publishers, resets and disables) for 20 s, on one shared kombu
 connection through the fault proxy. Only behaviour and hard bounds are asserted: nothing
 confirmed is lost, nobody is told the connection was closed on purpose, no drainer
@@ -61,7 +61,7 @@ def _assert_behaviour(result: dict[str, Any]) -> None:
 
 
 def test_scenario_a_twenty_threads_every_fault(toxiproxy: Any) -> None:
-    result = _soak("A", 60.0, toxiproxy)
+    result = _soak("A", 30.0, toxiproxy)
     _assert_behaviour(result)
     roles = result["raised_by_role"]
     assert result["consumed_unique"] >= result["confirmed"] > 0, summary_line(result)
