@@ -41,7 +41,7 @@ step() {
 report() {
   local took=$(($(date +%s) - $4))
   if [ "$2" = 0 ]; then
-    grep -E '(passed|failed|error|skipped|deselected)[ ,].* in [0-9.]+s|^(py-amqp|kombu) |^3\.[0-9]+\.[0-9]+ amqp|Success|All checks|files already formatted|py.typed' "$3" | sed 's/^/   /'
+    grep -E '(passed|failed|error|skipped|deselected)([ ,].*)? in [0-9.]+s|Session .* (successful|failed)|^(py-amqp|kombu) |^3\.[0-9]+\.[0-9]+ amqp|Success|All checks|files already formatted|py.typed' "$3" | sed 's/^/   /'
     echo "   $1: ok in ${took} s"
   else
     cat "$3"

@@ -49,6 +49,7 @@ PAGES = (
     "docs/dramatiq.md",
     "docs/migrating.md",
     "docs/reliability.md",
+    "docs/confirms.md",
 )
 EXAMPLES_DIR = "examples"
 TIMEOUT = 30.0  # seconds per example

@@ -175,3 +175,25 @@ def test_no_opentelemetry_without_instrument() -> None:
         "assert drainer_amqp.Connection.on_confirm is None\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("mode", ["drainer", "legacy"])
+def test_deferred_confirms_are_counted_by_outcome(
+    mode: str, reader: InMemoryMetricReader, connect: Callable[..., drainer_amqp.Connection]
+) -> None:
+    conn = connect(mode)
+    channel = conn.channel()
+    queue = channel.queue_declare("", exclusive=True).queue
+    futures = [
+        channel.basic_publish_deferred(amqp.Message(b"x"), routing_key=queue) for _ in range(5)
+    ]
+    returned = channel.basic_publish_deferred(
+        amqp.Message(b"x"), routing_key=queue + "-nowhere", mandatory=True
+    )
+    assert all(f.result(WAIT) for f in futures)
+    assert returned.exception(WAIT) is not None
+    points = collect(reader)
+    confirms = "drainer_amqp.connection.confirms"
+    assert of(conn, points, confirms, **{"drainer_amqp.outcome": "acked"}) == 5
+    assert of(conn, points, confirms, **{"drainer_amqp.outcome": "returned"}) == 1
+    assert of(conn, points, "drainer_amqp.connection.confirms.outstanding") == 0

@@ -279,7 +279,9 @@ def publish(conn, name):
 stalled = open_connection("127.0.0.1:" + stalled_port)
 healthy = [open_connection("127.0.0.1:" + port) for port in healthy_ports.split(",")]
 print("connected", flush=True)
-sys.stdin.readline()  # the stalled relay has stopped reading
+sys.stdin.readline()  # the stalled relay stops reading after its current read:
+stalled.send_heartbeat()  # the last bytes it reads
+sys.stdin.readline()  # it has read them and stopped
 sock = stalled.transport.sock
 sock.setblocking(False)
 try:
@@ -346,8 +348,11 @@ def test_a_stalled_broker_costs_the_other_connections_nothing_at_exit(
             assert child.stdout is not None and child.stdin is not None
             assert child.stdout.readline() == b"connected\n"
             stalled.forwarding.clear()
-            start = time.monotonic()
             child.stdin.write(b"go\n")
+            child.stdin.flush()
+            assert wait_until(lambda: stalled.sent.endswith(HEARTBEAT), JOIN)
+            start = time.monotonic()
+            child.stdin.write(b"fill\n")
             child.stdin.close()
             status = child.wait(timeout=JOIN * 2)
             took = time.monotonic() - start

@@ -23,6 +23,7 @@ from amqp.serialization import dumps
 from kombu.transport import pyamqp
 from vine import promise
 
+from .deferred import ConfirmFuture, Window
 from .encoding import PublishEncoder
 from .errors import in_failover_after_another, tag
 from .reading import Reader
@@ -63,8 +64,11 @@ class ChannelConnection(Protocol):
     publish_encoder: PublishEncoder | None
     reason: BaseException | None
     is_closing: bool
-    _channel_id_lock: Any  # guards py-amqp's _used_channel_ids
+    _channel_id_lock: Any  # guards py-amqp's _used_channel_ids and channels' None
+    channels: dict[int, Any] | None
     messages_sent: int  # counted as each publish is queued
+    unconfirmed: Window  # deferred confirms outstanding
+    confirm_counts: dict[str, int]  # how settled deferred confirms ended
     on_confirm: Callable[[float, bool], None] | None
 
     def send_frames(
@@ -79,6 +83,7 @@ class ChannelConnection(Protocol):
         encoded: list[bytes | memoryview] | None = None,
     ) -> None: ...
     def wait_unblocked(self, timeout: float | None) -> None: ...
+    def raise_if_ended(self) -> None: ...
     def error_for_caller(self) -> BaseException: ...
 
 
@@ -113,7 +118,10 @@ class Channel(pyamqp.Channel):
         # Held by the thread that selects confirms (the first confirmed publish) until
         # SelectOk, so that racing threads send Confirm.Select once.
         self._confirm_lock = threading.Lock()
+        self._deferred_failed = False  # a deferred confirm failed since wait_for_confirms
         super().__init__(connection, *args, **kwargs)
+        if getattr(connection, "confirm_publish", None) == "deferred":
+            self.basic_publish = self.basic_publish_deferred  # type: ignore[method-assign, assignment]
 
     def _live_conn(self) -> ChannelConnection:
         """The connection; on a closed channel, raises the reason its connection ended
@@ -133,10 +141,12 @@ class Channel(pyamqp.Channel):
     def collect(self) -> None:
         conn = self.connection
         self._ended_connection = conn or self._ended_connection
-        if conn is None:
-            return super().collect()
-        with conn._channel_id_lock:  # py-amqp's collect frees the id in _used_channel_ids
-            return super().collect()
+        if conn is not None:
+            with conn._channel_id_lock:  # py-amqp's collect frees the id in _used_channel_ids
+                if conn.channels is not None:
+                    return super().collect()
+            self.connection = None  # type: ignore[assignment]  # released: nothing to free
+        return super().collect()
 
     def close(self, *args: Any, **kwargs: Any) -> Any:
         """As py-amqp's; on a channel whose connection has ended, a quiet no-op."""
@@ -204,8 +214,11 @@ class Channel(pyamqp.Channel):
         """Write one method of this channel; ``take`` (default: refused on a channel the
         broker has closed by the time it is taken) and the rest as ``send_frames``."""
         kwargs.setdefault("take", None if sig in _ALWAYS_WRITTEN else self._check_open)
+        channel_id = self.channel_id
+        if channel_id is None:  # collected by another thread meanwhile
+            raise conn.error_for_caller()
         try:
-            conn.send_frames(self.channel_id, sig, args, content, **kwargs)
+            conn.send_frames(channel_id, sig, args, content, **kwargs)
         except _Refused as refused:
             self._raise_channel_error(conn, refused.error)
 
@@ -336,6 +349,26 @@ class Channel(pyamqp.Channel):
         conn.inbox.post(key, super().dispatch_method, method_sig, payload, content)
         if waiter is not None:
             waiter(method_sig, first_short_string(payload))
+
+    # py-amqp's listeners of user events, iterating a copy (one C call): other threads add
+    # listeners (kombu's Producer adds on_return) while a drain_events() thread runs these.
+    def _on_basic_ack(self, delivery_tag: int, multiple: bool) -> None:
+        for callback in list(self.events["basic_ack"]):
+            callback(delivery_tag, multiple)
+
+    def _on_basic_nack(self, delivery_tag: int, multiple: bool) -> None:
+        for callback in list(self.events["basic_nack"]):
+            callback(delivery_tag, multiple)
+
+    def _on_basic_return(
+        self, reply_code: int, reply_text: str, exchange: str, routing_key: str, message: Any
+    ) -> None:
+        handlers = list(self.events.get("basic_return") or ())
+        if not handlers:
+            return super()._on_basic_return(reply_code, reply_text, exchange, routing_key, message)
+        error = error_for_code(reply_code, reply_text, spec.Basic.Return, ChannelError)
+        for callback in handlers:
+            callback(error, exchange, routing_key, message)
 
     def _settle_returned(
         self, conn: ChannelConnection, method_sig: tuple[int, int], delivery_tag: int
@@ -473,12 +506,10 @@ class Channel(pyamqp.Channel):
                 raise _Refused(error)
             conn.messages_sent += 1
 
-        encoder = conn.publish_encoder
+        encoder, channel_id = conn.publish_encoder, self.channel_id
         chunks = args = None
-        if encoder is not None and argsig == "Bssbb":
-            chunks = encoder.encode(
-                self.channel_id, exchange, routing_key, mandatory, immediate, msg
-            )
+        if encoder is not None and argsig == "Bssbb" and channel_id is not None:
+            chunks = encoder.encode(channel_id, exchange, routing_key, mandatory, immediate, msg)
         if chunks is None:
             args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
         try:
@@ -526,3 +557,74 @@ class Channel(pyamqp.Channel):
         if method_sig == _NACK:
             raise MessageNacked()
         return promise()
+
+    # -- deferred confirms -------------------------------------------------------------
+    def basic_publish_deferred(
+        self,
+        msg: Any,
+        exchange: str = "",
+        routing_key: str = "",
+        mandatory: bool = False,
+        immediate: bool = False,
+        timeout: float | None = None,
+        argsig: str = "Bssbb",
+        **_: Any,
+    ) -> ConfirmFuture:
+        """Publish, and return at once a :class:`~drainer_amqp.deferred.ConfirmFuture`
+        the broker's answer settles (docs/confirms.md). Puts the channel in confirm mode.
+        Returns once the message is written; waits first, at most ``timeout`` seconds,
+        while ``max_unconfirmed`` confirms of the connection are outstanding."""
+        conn = self._live_conn()
+        if not self._confirm_selected:
+            self._select_confirms()
+        deadline = deadline_after(timeout)
+        window = conn.unconfirmed
+        if not window.room.ready():  # legacy mode reads the confirms that make room
+            try:
+                conn.reader.wait(window.room, deadline)
+            except TimeoutError:
+                pass  # reported below
+        if not window.enter(None if deadline is None else deadline - monotonic()):
+            conn.raise_if_ended()
+            raise RecoverableConnectionError(
+                f"basic_publish_deferred: timed out: {conn.unconfirmed.size} confirms "
+                "outstanding (max_unconfirmed)"
+            )
+        future = ConfirmFuture(conn, self._deferred_settled)  # type: ignore[arg-type]
+        conn.waiters.add(future)  # type: ignore[arg-type]
+        try:
+            left = None if deadline is None else deadline - monotonic()
+            self._publish(msg, exchange, routing_key, mandatory, immediate, left, argsig, future)  # type: ignore[arg-type]
+        except BaseException as exc:
+            future._asked = True  # the caller gets the error, not the future
+            future.fail(exc if isinstance(exc, Exception) else None)
+            raise
+        return future
+
+    def _deferred_settled(self, future: ConfirmFuture, outcome: str) -> None:
+        # In the thread that settled it (the reader, or whoever ended the connection).
+        conn = self._ended_connection or self.connection
+        if conn is not None:
+            conn.unconfirmed.leave()
+            conn.waiters.discard(future)  # type: ignore[arg-type]
+            conn.confirm_counts[outcome] += 1
+        if outcome != "acked":
+            self._deferred_failed = True
+
+    def wait_for_confirms(self, timeout: float | None = None) -> bool:
+        """Wait until every deferred publish of this channel made so far is settled;
+        return whether all of them since the last call were acked (False if any was
+        nacked, returned or failed: their futures say which). ``TimeoutError`` after
+        ``timeout`` seconds. In legacy mode this thread reads while it waits."""
+        conn = self._live_conn()
+        deadline = deadline_after(timeout)
+        for future in self.confirms.pending():
+            if isinstance(future, ConfirmFuture):
+                try:
+                    conn.reader.wait(future, deadline)
+                except TimeoutError:
+                    raise
+                except Exception:  # noqa: BLE001, S110 - the end settled it
+                    pass
+        failed, self._deferred_failed = self._deferred_failed, False
+        return not failed

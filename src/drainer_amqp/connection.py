@@ -29,6 +29,7 @@ from amqp.method_framing import frame_writer as amqp_frame_writer
 from amqp.serialization import dumps
 
 from .channel import CLOSE_TIMEOUT, Channel, first_short_string
+from .deferred import Window
 from .drainer import Drainer
 from .encoding import PublishEncoder
 from .errors import ConnectionBlocked, ConnectionClosedIntentionally, ConnectionLost, tag
@@ -52,6 +53,9 @@ DRAINER_HEARTBEAT = 60
 #: How many callbacks may wait for ``drain_events()`` before the drainer stops reading
 #: (checked between socket reads, so one read's deliveries may go past it).
 INBOX_LIMIT = 10_000
+#: How many deferred publishes may await their confirm per connection before the next
+#: ``basic_publish_deferred`` waits (first come, first served, up to its timeout).
+MAX_UNCONFIRMED = 10_000
 
 #: Methods still handled after we sent ``Connection.Close``: everything else is
 #: discarded, as AMQP 0-9-1 requires.
@@ -62,8 +66,10 @@ class Connection(amqp.Connection):
     """A py-amqp ``Connection`` that threads can share; see the module docstring.
 
     Extra keyword arguments (also kombu transport options): ``dedicated_drainer``,
-    ``blocked_timeout`` (seconds a publish waits on a blocked connection, default 10)
-    and ``inbox_limit`` (callbacks queued before the drainer stops reading, 10000). With
+    ``blocked_timeout`` (seconds a publish waits on a blocked connection, default 10),
+    ``inbox_limit`` (callbacks queued before the drainer stops reading, 10000) and
+    ``max_unconfirmed`` (deferred confirms outstanding, 10000); ``confirm_publish`` may
+    be ``"deferred"`` (``basic_publish`` is then ``basic_publish_deferred``). With
     ``dedicated_drainer``, ``heartbeat`` defaults to :data:`DRAINER_HEARTBEAT` seconds
     (``heartbeat=False``: none).
     """
@@ -82,6 +88,7 @@ class Connection(amqp.Connection):
         dedicated_drainer: bool = False,
         blocked_timeout: float = BLOCKED_TIMEOUT,
         inbox_limit: int = INBOX_LIMIT,
+        max_unconfirmed: int = MAX_UNCONFIRMED,
         **kwargs: Any,
     ) -> None:
         if not isinstance(dedicated_drainer, bool):
@@ -90,8 +97,14 @@ class Connection(amqp.Connection):
             raise ValueError(f"blocked_timeout must be seconds >= 0, not {blocked_timeout!r}")
         if not isinstance(inbox_limit, int) or inbox_limit < 0:
             raise ValueError(f"inbox_limit must be an int >= 0, not {inbox_limit!r}")
+        if not isinstance(max_unconfirmed, int) or max_unconfirmed < 1:
+            raise ValueError(f"max_unconfirmed must be an int >= 1, not {max_unconfirmed!r}")
         self.dedicated_drainer = dedicated_drainer
         self.blocked_timeout = float(blocked_timeout)
+        # Deferred confirms outstanding, and how those settled ended (counted by the
+        # thread that settles them: a read may be a confirm stale).
+        self.unconfirmed = Window(max_unconfirmed)
+        self.confirm_counts = {"acked": 0, "nacked": 0, "returned": 0, "failed": 0}
         self.reason: BaseException | None = None  # why it ended; written once by end()
         self._reported = False  # a caller was raised the reason (see connected); set once
         self.waiters = Waiters()
@@ -207,7 +220,12 @@ class Connection(amqp.Connection):
 
     def channel(self, channel_id: int | None = None, callback: Any = None) -> Any:
         self.raise_if_ended()
-        return super().channel(channel_id, callback)
+        try:
+            return super().channel(channel_id, callback)
+        except (TypeError, AttributeError):
+            if self.channels is None:  # released by another thread meanwhile
+                raise self.error_for_caller() from None
+            raise
 
     @property
     def connected(self) -> bool:  # type: ignore[override]
@@ -271,6 +289,7 @@ class Connection(amqp.Connection):
             if self.writer is not None:
                 self.writer.fail(self.error_for_caller)
             self.waiters.end()
+            self.unconfirmed.end()
             self.inbox.end()
             self._unblocked.set()
             if not isinstance(reason, ConnectionClosedIntentionally):
@@ -354,6 +373,7 @@ class Connection(amqp.Connection):
             # returns (maybe never): Connection.Close would wait for it; the shutdown in
             # end() cuts it short. Set first, is_closing keeps the others from reading.
             if self.reason is None and transport.connected:
+                self._await_deferred_confirms(write_by)  # legacy: this thread reads them
                 self.is_closing = True
             if self.is_closing and self.reason is None and not self.reader.reading:
                 self._closed_ok = Waiter()
@@ -368,6 +388,15 @@ class Connection(amqp.Connection):
             self._close_lock.release()
             raise
         return True
+
+    def _await_deferred_confirms(self, write_by: float) -> None:
+        """Before the Close: give outstanding deferred confirms half the time left to
+        arrive; those still out then fail with the close's reason."""
+        if self.unconfirmed.used:
+            try:
+                self.reader.wait(self.unconfirmed, monotonic() + (write_by - monotonic()) / 2)
+            except Exception:  # noqa: BLE001, S110 - a timeout or an end: close anyway
+                pass
 
     def _finish_close(self, ok_by: float, deadline: float) -> None:
         """close()'s second step: wait for ``CloseOk`` until ``ok_by``, then release
@@ -412,7 +441,8 @@ class Connection(amqp.Connection):
             for channel in list((self.channels or {}).values()):
                 if channel is not self:
                     channel.collect()
-            self._transport = self.connection = self.channels = None  # type: ignore[assignment]
+            with self._channel_id_lock:  # against a Channel.collect() in another thread
+                self._transport = self.connection = self.channels = None  # type: ignore[assignment]
         finally:
             self._release_lock.release()
 
@@ -453,11 +483,12 @@ class Connection(amqp.Connection):
     ) -> Any:
         if self.reason is not None and method_sig not in _HANDLED_WHILE_CLOSING:
             return None  # discarded after close, as the spec requires
-        channels = self.channels
-        if channels is not None and channel_id not in channels:
+        channels = self.channels  # one read: _release sets it to None
+        channel = channels.get(channel_id) if channels is not None else None
+        if channel is None:
             logger.debug("dropping %s for unknown channel %s", method_sig, channel_id)
             return None
-        return super().on_inbound_method(channel_id, method_sig, payload, content)
+        return channel.dispatch_method(method_sig, payload, content)
 
     def dispatch_method(self, method_sig: tuple[int, int], payload: bytes, content: Any) -> None:
         if method_sig == spec.Connection.Blocked:
@@ -529,6 +560,8 @@ class Connection(amqp.Connection):
             "pending_callbacks": len(self.inbox),
             "reading_paused": self.inbox.full,
             "blocked": not self._unblocked.is_set(),
+            "confirms_outstanding": self.unconfirmed.used,
+            **{f"confirms_{outcome}": n for outcome, n in self.confirm_counts.items()},
             **self.reader.stats(),
         }
 

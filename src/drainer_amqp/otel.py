@@ -55,6 +55,12 @@ _GAUGES: list[tuple[str, str, str, _Read]] = [
         "Connections the broker blocks (memory or disk alarm).",
         lambda s: int(bool(s["blocked"])),
     ),
+    (
+        "drainer_amqp.connection.confirms.outstanding",
+        "{message}",
+        "Deferred publishes awaiting the broker's confirm.",
+        lambda s: s["confirms_outstanding"],
+    ),
 ]
 #: Monotonic sums over every connection seen: name, unit, description, (stat, attributes).
 _COUNTERS: list[tuple[str, str, str, list[tuple[str, dict[str, str]]]]] = [
@@ -79,7 +85,18 @@ _COUNTERS: list[tuple[str, str, str, list[tuple[str, dict[str, str]]]]] = [
             ("heartbeats_received", {"drainer_amqp.direction": "received"}),
         ],
     ),
+    (
+        "drainer_amqp.connection.confirms",
+        "{message}",
+        "Deferred publishes settled, by outcome.",
+        [
+            (f"confirms_{outcome}", {"drainer_amqp.outcome": outcome})
+            for outcome in ("acked", "nacked", "returned", "failed")
+        ],
+    ),
 ]
+#: Counted by the drainer thread: none in legacy mode.
+_DRAINER_ONLY = {"lock_held_seconds", "heartbeats_sent", "heartbeats_received"}
 
 
 def _attributes(conn: Connection) -> _Key:
@@ -147,8 +164,8 @@ class DrainerMetrics:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             with self._lock:
                 for conn, stats in self._connections():
-                    if stat != "messages_sent" and not conn.dedicated_drainer:
-                        continue  # the drainer's own: none in legacy mode
+                    if stat in _DRAINER_ONLY and not conn.dedicated_drainer:
+                        continue
                     last = self._last.setdefault(conn, {})
                     key = (stat, _attributes(conn))
                     seen, value = last.get(stat, 0.0), float(stats[stat])

@@ -101,6 +101,10 @@ class SelfPipe:
         self._r.setblocking(False)
         self._w.setblocking(False)
         self._is_set = False  # a byte is pending or coming; a stale read costs a spare byte
+        # Guards the sockets against close(): a send racing the close could otherwise
+        # write to a descriptor number reused meanwhile. Taken by set()'s send and close().
+        self._lock = threading.Lock()
+        self._closed = False
 
     def fileno(self) -> int:
         return self._r.fileno()
@@ -111,10 +115,13 @@ class SelfPipe:
             self._send()
 
     def _send(self) -> None:
-        try:
-            self._w.send(b"\0")
-        except OSError:  # full (a byte is pending anyway) or closed
-            pass
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._w.send(b"\0")
+            except OSError:  # full: a byte is pending anyway
+                pass
 
     def clear(self) -> None:
         # The flag first: a set() from here on writes its byte. If one lands before the
@@ -129,8 +136,10 @@ class SelfPipe:
             self._send()
 
     def close(self) -> None:
-        self._r.close()
-        self._w.close()
+        with self._lock:
+            self._closed = True
+            self._r.close()
+            self._w.close()
 
 
 class FairRLock:

@@ -132,6 +132,11 @@ class Confirms:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def pending(self) -> list[Any]:
+        """What waits for a confirm now, in tag order (a copy)."""
+        with self._lock:
+            return list(self._waiting.values())
+
     def fail_all(self, error: BaseException) -> None:
         """The broker closed the channel: every pending confirm fails with ``error``."""
         with self._lock:
@@ -161,6 +166,7 @@ class Inbox:
         self._ended = False
         self._run_lock = threading.RLock()  # one callback at a time, in arrival order
         self._signal: SelfPipe | None = None  # for event loops; see signal()
+        self._closed = False  # close() ran: the connection was released
 
     # -- the reading thread ------------------------------------------------------------
     def post(self, key: Hashable, function: Callable[..., Any], *args: Any) -> None:
@@ -239,6 +245,8 @@ class Inbox:
         with self._ready:
             if self._signal is None:
                 self._signal = SelfPipe()
+                if self._closed:  # released already: closed at once (its fileno() is -1)
+                    self._signal.close()
             signal = self._signal
         if self.ready():
             signal.set()
@@ -250,8 +258,10 @@ class Inbox:
         return self._signal is not None
 
     def close(self) -> None:
-        if self._signal is not None:
-            self._signal.close()
+        with self._ready:
+            signal, self._closed = self._signal, True
+        if signal is not None:
+            signal.close()
 
     def reset(self) -> None:
         """After a fork: the parent's threads and callbacks do not exist here."""

@@ -1,0 +1,218 @@
+"""Deferred publisher confirms: a future per publish, and the bound on how many are out.
+
+* :class:`ConfirmFuture`: what ``Channel.basic_publish_deferred`` returns, a
+  ``concurrent.futures.Future`` settled exactly once by the thread that reads the
+  broker's answer (the drainer; in legacy mode a thread in a read) or by the end of the
+  connection. It fills the same role as a :class:`~drainer_amqp.sync.Waiter` in
+  :class:`~drainer_amqp.waits.Confirms` and :class:`~drainer_amqp.waits.Waiters`.
+* :class:`Window`: at most ``size`` deferred confirms outstanding per connection; a
+  publish beyond it waits, first come first served.
+
+The threading contract: docs/confirms.md.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from amqp import spec
+from amqp.exceptions import MessageNacked
+
+from .reading import Reader
+from .sync import deadline_after, lock_timeout
+
+__all__ = ["ConfirmFuture", "Window"]
+
+logger = logging.getLogger(__name__)
+
+
+class FutureConnection(Protocol):
+    """What a :class:`ConfirmFuture` uses of its connection."""
+
+    reader: Reader
+
+    def error_for_caller(self) -> BaseException: ...
+
+
+class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """The broker's answer to one deferred publish.
+
+    ``result()`` returns True once the broker acked the message; it raises
+    ``MessageNacked`` on a nack, ``ChannelError`` 312 when a mandatory message came back
+    unroutable, and the connection's or the channel's error when either ended first
+    (``ConnectionClosedIntentionally`` after ``close()``). Settled exactly once. Done
+    callbacks run in the thread that settles it: the drainer (docs/confirms.md). In
+    legacy mode ``result()`` and ``exception()`` read the socket while they wait, as any
+    legacy wait does. A future that failed and is dropped without anyone asking for
+    its outcome logs one warning.
+    """
+
+    def __init__(
+        self, conn: FutureConnection, on_settled: Callable[[ConfirmFuture, str], None]
+    ) -> None:
+        super().__init__()
+        self._conn = conn
+        self._on_settled = on_settled
+        self._asked = False  # result() or exception() was called
+
+    # -- settled by the reading thread, or by the connection's end ----------------------
+    def __call__(self, method_sig: tuple[int, int], *args: Any) -> None:
+        """The broker's ack or nack (``Confirms.settle``)."""
+        if method_sig == spec.Basic.Nack:
+            self._settle(MessageNacked(), "nacked")
+        else:
+            self._settle(None, "acked")
+
+    def fail(self, error: BaseException | None = None) -> None:
+        """A Return (``error``), the channel's close (``error``), or the connection's end
+        (None: its reason)."""
+        if error is None:
+            error = self._conn.error_for_caller()
+            self._settle(error, "failed")
+        else:
+            self._settle(error, "returned" if getattr(error, "reply_code", 0) == 312 else "failed")
+
+    def _settle(self, error: BaseException | None, outcome: str) -> None:
+        try:
+            if error is None:
+                self.set_result(True)
+            else:
+                self.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            return  # settled already: the first answer stands
+        self._on_settled(self, outcome)
+
+    # -- waited on ---------------------------------------------------------------------
+    def ready(self) -> bool:
+        return self.done()
+
+    def wait(self, timeout: float | None) -> bool:
+        done, _ = concurrent.futures.wait([self], timeout)
+        return bool(done)
+
+    def _read_until_done(self, timeout: float | None) -> None:
+        if not self.done():
+            try:
+                self._conn.reader.wait(self, deadline_after(timeout))
+            except TimeoutError:
+                raise concurrent.futures.TimeoutError() from None
+            except Exception:  # noqa: BLE001, S110 - the connection ended: settled with it
+                pass
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._read_until_done(timeout)
+        self._asked = True
+        return super().result(0 if self.done() else timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._read_until_done(timeout)
+        self._asked = True
+        return super().exception(0 if self.done() else timeout)
+
+    def __del__(self) -> None:
+        if not self._asked and self.done() and not self.cancelled():
+            error = super().exception(0)
+            if error is not None:
+                logger.warning("a deferred publish failed and nobody asked: %r", error)
+
+
+class _Turn:
+    """One thread's wait for a slot."""
+
+    __slots__ = ("signal", "granted")
+
+    def __init__(self) -> None:
+        self.signal = threading.Lock()
+        self.signal.acquire()
+        self.granted = False  # set, under the window's lock, with the slot
+
+
+class Window:
+    """At most ``size`` deferred confirms outstanding; beyond, :meth:`enter` waits in
+    arrival order. Any thread enters; the thread that settles a confirm leaves."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Condition(threading.Lock())  # guards the three below
+        self.used = 0
+        self._turns: deque[_Turn] = deque()  # waiters, first come first served
+        self._ended = False
+        self.room = _Room(self)
+
+    def enter(self, timeout: float | None) -> bool:
+        """Take a slot; False after ``timeout`` seconds, or if the connection ended. An
+        interrupted wait leaves no slot taken."""
+        with self._lock:
+            if self._ended:
+                return False
+            if self.used < self.size and not self._turns:
+                self.used += 1
+                return True
+            turn = _Turn()
+            self._turns.append(turn)
+        try:
+            turn.signal.acquire(timeout=lock_timeout(timeout))
+        except BaseException:  # interrupted: leave no slot taken
+            with self._lock:
+                if turn in self._turns:
+                    self._turns.remove(turn)
+                elif turn.granted:
+                    turn.granted = False
+                    self.used -= 1
+                    self._hand_over()
+            raise
+        with self._lock:
+            if turn in self._turns:
+                self._turns.remove(turn)  # timed out
+            return turn.granted
+
+    def leave(self) -> None:
+        with self._lock:
+            self.used -= 1
+            self._hand_over()
+            self._lock.notify_all()  # for room.wait() and wait()
+
+    def _hand_over(self) -> None:
+        while self._turns and self.used < self.size and not self._ended:
+            turn = self._turns.popleft()
+            turn.granted = True
+            self.used += 1
+            turn.signal.release()
+
+    def end(self) -> None:
+        """The connection ended: every waiting ``enter`` returns False, and later ones."""
+        with self._lock:
+            self._ended = True
+            turns, self._turns = self._turns, deque()
+            self._lock.notify_all()
+        for turn in turns:
+            turn.signal.release()
+
+    # -- an Awaitable: "nothing outstanding", for close() --------------------------------
+    def ready(self) -> bool:
+        return not self.used
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._lock:
+            return self._lock.wait_for(self.ready, None if timeout is None else max(timeout, 0))
+
+
+class _Room:
+    """An Awaitable: the window has a free slot (or the connection ended), for a legacy
+    thread that must read the broker's confirms while it waits for one."""
+
+    def __init__(self, window: Window) -> None:
+        self._window = window
+
+    def ready(self) -> bool:
+        window = self._window
+        return window.used < window.size or window._ended
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._window._lock:
+            return self._window._lock.wait_for(self.ready, timeout)
