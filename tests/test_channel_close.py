@@ -10,10 +10,8 @@ and hooks; then the real broker closes a channel under ten publishing threads.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -23,35 +21,13 @@ from amqp.exceptions import ChannelError, NotFound
 from support.broker import JOIN, unique_name, wait_until
 from support.fake_broker import FakeBroker, fake_broker, method
 from support.publishing import connect, queue_bodies
+from support.threads import run_in_thread
 
 import drainer_amqp
 from drainer_amqp.sync import Waiter
 
 MODES = ["drainer", "legacy"]
 CLOSE_404 = (404, "NOT_FOUND - no queue 'missing'", 50, 10)
-
-
-@pytest.fixture(params=["default", "tiny-switch-interval"])
-def switching(request: pytest.FixtureRequest) -> Iterator[None]:
-    previous = sys.getswitchinterval()
-    if request.param != "default":
-        sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(previous)
-
-
-def start(target: Callable[[], object], name: str) -> tuple[threading.Thread, list[Any]]:
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(target())
-        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 def methods_on(broker: FakeBroker, channel: int) -> list[tuple[int, int]]:
@@ -99,9 +75,9 @@ def test_a_publish_that_passed_its_check_is_not_written_after_close_ok(
             monkeypatch.setattr(conn, "wait_unblocked", wait_unblocked)
             conn.io_lock.acquire()  # P1's write waits here, holding the lead
             try:
-                p1, p1_out = start(lambda: publish(Message(b"1"), routing_key="q"), "P1")
+                p1, p1_out = run_in_thread(lambda: publish(Message(b"1"), routing_key="q"), "P1")
                 assert wait_until(lambda: conn.writer is not None and conn.writer.busy, JOIN)
-                p2, p2_out = start(lambda: publish(Message(b"2"), routing_key="q"), "P2")
+                p2, p2_out = run_in_thread(lambda: publish(Message(b"2"), routing_key="q"), "P2")
                 assert looked.wait(JOIN)
                 broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
                 # The drainer read it: the CloseOk waits in the queue behind P1's write.
@@ -153,7 +129,7 @@ def test_the_thread_that_reopens_a_channel_writes_channel_open_first(
                 real_write(conn_, sig, *args, **kwargs)
 
             monkeypatch.setattr(channel, "_write", write)
-            reviver, reviver_out = start(lambda: channel.basic_qos(0, 10, False), "reviver")
+            reviver, reviver_out = run_in_thread(lambda: channel.basic_qos(0, 10, False), "reviver")
             assert reviving.wait(JOIN)
             with pytest.raises(NotFound):  # the channel is still closed for everyone else
                 channel.basic_publish(Message(b"early"), routing_key="q")
@@ -192,7 +168,9 @@ def test_the_drainer_fails_pending_waits_while_other_threads_add_and_remove_them
         try:
             channel = conn.channel()
             channel._pending = ChangingWhileIterated(channel._pending)
-            declare, outcome = start(lambda: channel.queue_declare("q", passive=True), "declare")
+            declare, outcome = run_in_thread(
+                lambda: channel.queue_declare("q", passive=True), "declare"
+            )
             assert broker.wait_for(spec.Queue.Declare)
             broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
             declare.join(JOIN)
@@ -234,7 +212,7 @@ def test_the_broker_closes_a_channel_under_ten_publishing_threads(mode: str) -> 
                     return
                 acked.append(body)
 
-        threads = [start(partial(publisher, t), f"pub-{t}")[0] for t in range(10)]
+        threads = [run_in_thread(partial(publisher, t), f"pub-{t}")[0] for t in range(10)]
         assert wait_until(lambda: len(acked) >= 50, JOIN)
         closes = 0
         for _ in range(20):

@@ -12,7 +12,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from functools import partial
 
 import kombu
@@ -27,16 +26,6 @@ from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
 from drainer_amqp.deferred import ConfirmFuture
 
 MODES = ["drainer", "legacy"]
-
-
-@pytest.fixture
-def fresh_queue() -> Iterator[str]:
-    name = unique_name("drainer-confirms")
-    admin = connect("drainer")
-    admin.channel().queue_declare(name, auto_delete=False)
-    yield name
-    admin.channel().queue_delete(name)
-    admin.close()
 
 
 def consume_all(queue: str, expected: int) -> list[bytes]:
@@ -82,7 +71,7 @@ def outcomes(futures: dict[bytes, ConfirmFuture]) -> tuple[set[bytes], dict[byte
     ],
 )
 def test_every_deferred_publish_is_confirmed_and_in_the_queue(
-    mode: str, threads: int, total: int, fresh_queue: str
+    mode: str, threads: int, total: int, queue: str
 ) -> None:
     conn = connect(mode)
     futures: dict[bytes, ConfirmFuture] = {}
@@ -92,9 +81,7 @@ def test_every_deferred_publish_is_confirmed_and_in_the_queue(
         def publish(t: int) -> None:
             for n in range(total // threads):
                 body = b"%d-%d" % (t, n)
-                futures[body] = channels[t].basic_publish_deferred(
-                    Message(body), routing_key=fresh_queue
-                )
+                futures[body] = channels[t].basic_publish_deferred(Message(body), routing_key=queue)
 
         workers = [threading.Thread(target=partial(publish, t)) for t in range(threads)]
         for worker in workers:
@@ -111,7 +98,7 @@ def test_every_deferred_publish_is_confirmed_and_in_the_queue(
         conn.close()
     acked, failed = outcomes(futures)
     assert not failed and len(acked) == total
-    bodies = consume_all(fresh_queue, total)
+    bodies = consume_all(queue, total)
     assert sorted(bodies) == sorted(acked), "the queue differs from what was acked"
 
 
@@ -143,21 +130,19 @@ def test_exactly_the_overflowing_publishes_are_nacked(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_mandatory_publish_to_no_queue_fails_only_its_own_future(
-    mode: str, fresh_queue: str
-) -> None:
+def test_a_mandatory_publish_to_no_queue_fails_only_its_own_future(mode: str, queue: str) -> None:
     conn = connect(mode)
     try:
         channel = conn.channel()
         before = [
-            channel.basic_publish_deferred(Message(b"b%d" % i), routing_key=fresh_queue)
+            channel.basic_publish_deferred(Message(b"b%d" % i), routing_key=queue)
             for i in range(20)
         ]
         lost = channel.basic_publish_deferred(
-            Message(b"lost"), routing_key="nowhere-" + fresh_queue, mandatory=True
+            Message(b"lost"), routing_key="nowhere-" + queue, mandatory=True
         )
         after = [
-            channel.basic_publish_deferred(Message(b"a%d" % i), routing_key=fresh_queue)
+            channel.basic_publish_deferred(Message(b"a%d" % i), routing_key=queue)
             for i in range(20)
         ]
         with pytest.raises(ChannelError) as info:
@@ -170,15 +155,13 @@ def test_a_mandatory_publish_to_no_queue_fails_only_its_own_future(
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_close_settles_every_outstanding_future_within_its_deadline(
-    mode: str, fresh_queue: str
-) -> None:
+def test_close_settles_every_outstanding_future_within_its_deadline(mode: str, queue: str) -> None:
     """50,000 outstanding when close() comes: it gives them time, then fails the rest with
     ConnectionClosedIntentionally; none is left pending, none says acked wrongly."""
     conn = connect(mode, max_unconfirmed=50_000)
     channel = conn.channel()
     futures = {
-        b"%d" % n: channel.basic_publish_deferred(Message(b"%d" % n), routing_key=fresh_queue)
+        b"%d" % n: channel.basic_publish_deferred(Message(b"%d" % n), routing_key=queue)
         for n in range(50_000)
     }
     begun = time.monotonic()
@@ -186,13 +169,13 @@ def test_close_settles_every_outstanding_future_within_its_deadline(
     assert time.monotonic() - begun < 5.0 + 0.5
     acked, failed = outcomes(futures)
     assert all(isinstance(e, ConnectionClosedIntentionally) for e in failed.values())
-    bodies = set(consume_all(fresh_queue, len(acked)))
+    bodies = set(consume_all(queue, len(acked)))
     assert acked <= bodies, f"acked but not in the queue: {sorted(acked - bodies)[:5]}"
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_connection_closed_by_the_broker_fails_every_outstanding_future_at_once(
-    mode: str, fresh_queue: str
+    mode: str, queue: str
 ) -> None:
     conn = connect(mode, max_unconfirmed=100_000)
     channel = conn.channel()
@@ -204,9 +187,7 @@ def test_a_connection_closed_by_the_broker_fails_every_outstanding_future_at_onc
         while not stop.is_set():
             body = b"%d" % n
             try:
-                futures[body] = channel.basic_publish_deferred(
-                    Message(body), routing_key=fresh_queue
-                )
+                futures[body] = channel.basic_publish_deferred(Message(body), routing_key=queue)
             except Exception:  # noqa: BLE001 - the connection ended under it
                 return
             n += 1
@@ -247,7 +228,7 @@ def test_a_connection_closed_by_the_broker_fails_every_outstanding_future_at_onc
     assert all(
         isinstance(e, (ConnectionLost, ChannelError)) or "closed" in str(e) for e in failed.values()
     ), set(map(type, failed.values()))
-    bodies = set(consume_all(fresh_queue, len(acked)))
+    bodies = set(consume_all(queue, len(acked)))
     assert acked <= bodies, f"acked but not in the queue: {sorted(acked - bodies)[:5]}"
 
 
@@ -262,7 +243,7 @@ def _drain_until_error(conn: drainer_amqp.Connection) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_outstanding_confirms_never_exceed_max_unconfirmed(mode: str, fresh_queue: str) -> None:
+def test_outstanding_confirms_never_exceed_max_unconfirmed(mode: str, queue: str) -> None:
     conn = connect(mode, max_unconfirmed=100)
     channel = conn.channel()
     seen: list[int] = []
@@ -277,7 +258,7 @@ def test_outstanding_confirms_never_exceed_max_unconfirmed(mode: str, fresh_queu
     watcher.start()
     try:
         futures = [
-            channel.basic_publish_deferred(Message(b"x"), routing_key=fresh_queue, timeout=JOIN)
+            channel.basic_publish_deferred(Message(b"x"), routing_key=queue, timeout=JOIN)
             for _ in range(5000)
         ]
         assert channel.wait_for_confirms(timeout=JOIN)
@@ -289,7 +270,7 @@ def test_outstanding_confirms_never_exceed_max_unconfirmed(mode: str, fresh_queu
     assert all(f.result(0) for f in futures)
 
 
-def test_a_publish_waits_at_most_its_timeout_for_room(fresh_queue: str) -> None:
+def test_a_publish_waits_at_most_its_timeout_for_room(queue: str) -> None:
     conn = connect("drainer", max_unconfirmed=1)
     try:
         channel = conn.channel()
@@ -297,16 +278,16 @@ def test_a_publish_waits_at_most_its_timeout_for_room(fresh_queue: str) -> None:
         conn.unconfirmed.enter(0)  # the one slot, held by the test: no room
         begun = time.monotonic()
         with pytest.raises(Exception, match="max_unconfirmed"):
-            channel.basic_publish_deferred(Message(b"x"), routing_key=fresh_queue, timeout=0.2)
+            channel.basic_publish_deferred(Message(b"x"), routing_key=queue, timeout=0.2)
         assert 0.15 <= time.monotonic() - begun < JOIN
         conn.unconfirmed.leave()
-        assert channel.basic_publish_deferred(Message(b"y"), routing_key=fresh_queue).result(JOIN)
+        assert channel.basic_publish_deferred(Message(b"y"), routing_key=queue).result(JOIN)
     finally:
         conn.close()
 
 
 def test_kombu_producer_publish_returns_the_future_and_ensure_does_not_republish(
-    fresh_queue: str,
+    queue: str,
 ) -> None:
     with kombu.Connection(
         f"amqp://guest:guest@{BROKER_HOST}//",
@@ -314,13 +295,13 @@ def test_kombu_producer_publish_returns_the_future_and_ensure_does_not_republish
         transport_options={"dedicated_drainer": True, "confirm_publish": "deferred"},
     ) as kconn:
         producer = kombu.Producer(kconn.channel())
-        future = producer.publish({"n": 1}, routing_key=fresh_queue, retry=True)
+        future = producer.publish({"n": 1}, routing_key=queue, retry=True)
         assert isinstance(future, concurrent.futures.Future)
         assert future.result(JOIN) is True
         publish = kconn.ensure(producer, producer.publish, max_retries=3)
-        futures = [publish({"n": n}, routing_key=fresh_queue) for n in range(2, 12)]
+        futures = [publish({"n": n}, routing_key=queue) for n in range(2, 12)]
         assert all(f.result(JOIN) for f in futures)
-    assert len(consume_all(fresh_queue, 11)) == 11  # once each: nothing re-published
+    assert len(consume_all(queue, 11)) == 11  # once each: nothing re-published
 
 
 def test_a_failed_future_nobody_asked_about_logs_one_warning(
@@ -370,11 +351,9 @@ for n in range(2000):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_script_that_exits_without_close_settles_every_future(
-    mode: str, fresh_queue: str
-) -> None:
+def test_a_script_that_exits_without_close_settles_every_future(mode: str, queue: str) -> None:
     child = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(EXIT_SCRIPT), fresh_queue, BROKER_HOST, mode],
+        [sys.executable, "-c", textwrap.dedent(EXIT_SCRIPT), queue, BROKER_HOST, mode],
         capture_output=True,
         timeout=JOIN * 2,
     )
@@ -382,6 +361,6 @@ def test_a_script_that_exits_without_close_settles_every_future(
     lines = dict(line.split(" ", 1) for line in child.stdout.decode().splitlines() if " " in line)
     assert lines["settled"] == "2000 of 2000", lines
     acked = set(lines["acked"].encode().split())
-    bodies = set(consume_all(fresh_queue, len(acked)))
+    bodies = set(consume_all(queue, len(acked)))
     assert acked <= bodies, f"acked but not in the queue: {sorted(acked - bodies)[:5]}"
     assert len(acked) == 2000  # the exit hook waited for them

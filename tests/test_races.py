@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import select
 import socket
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import amqp
 import pytest
 from amqp import spec
 from support.broker import JOIN
-from support.threads import stack_names
+from support.threads import run_in_thread, stack_names
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, reading
@@ -25,30 +24,6 @@ from drainer_amqp.sync import SelfPipe, Waiter
 from drainer_amqp.waits import Confirms, Waiters
 
 MODES = ["legacy", "drainer"]
-
-
-@pytest.fixture(params=["default", "tiny-switch-interval"])
-def switching(request: pytest.FixtureRequest) -> Iterator[None]:
-    previous = sys.getswitchinterval()
-    if request.param != "default":
-        sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(previous)
-
-
-def start(target: Callable[[], object], name: str) -> tuple[threading.Thread, list[Any]]:
-    """Run ``target`` in a thread; the list gets its result or exception."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(target())
-        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 # -- R2: the first confirmed publishes of two threads on one channel ---------------------
@@ -86,7 +61,7 @@ def test_two_first_confirmed_publishes_on_one_channel_both_return(
     def publish() -> object:
         return channel.basic_publish_confirm(amqp.Message(b"x"), "", queue)
 
-    threads = [start(publish, f"publisher-{i}") for i in range(2)]
+    threads = [run_in_thread(publish, f"publisher-{i}") for i in range(2)]
     for thread, _ in threads:
         thread.join(JOIN)
     hung = [t.name for t, _ in threads if t.is_alive()]
@@ -206,8 +181,8 @@ def test_legacy_close_keeps_its_deadline_when_a_reader_takes_the_lock_just_after
         return bool(answer)
 
     monkeypatch.setattr(LegacyReader, "reading", property(look))
-    reader, read = start(conn.drain_events, "reader")  # no timeout, no heartbeat
-    closer, _ = start(conn.close, "closer")
+    reader, read = run_in_thread(conn.drain_events, "reader")  # no timeout, no heartbeat
+    closer, _ = run_in_thread(conn.close, "closer")
     closer.join(JOIN)
     stuck = closer.is_alive()
     if stuck:
@@ -235,7 +210,7 @@ def test_a_legacy_heartbeat_timeout_wakes_a_blocked_reader_and_closes_the_socket
         read_frame(conn, timeout)
 
     monkeypatch.setattr(reading, "read_frame", hooked)
-    reader, read = start(conn.drain_events, "reader")  # blocked until a frame comes
+    reader, read = run_in_thread(conn.drain_events, "reader")  # blocked until a frame comes
     assert in_read.wait(JOIN)
     # Two intervals without a frame from the broker; nothing due to send.
     conn.prev_sent, conn.prev_recv = conn.bytes_sent, conn.bytes_recv
@@ -319,9 +294,9 @@ def test_a_collect_beside_a_close_waits_for_its_release_instead_of_racing_it(
         real_collect(self)
 
     monkeypatch.setattr(Channel, "collect", collect)
-    closer, closed = start(conn.close, "closer")
+    closer, closed = run_in_thread(conn.close, "closer")
     assert in_release.wait(JOIN)
-    collector, collected_out = start(conn.collect, "collector")
+    collector, collected_out = run_in_thread(conn.collect, "collector")
     # It reaches the release and waits there for the closer's.
     assert wait_for(lambda: stack_names(collector)[:1] == ["_release"])
     assert collector.is_alive()

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -18,17 +17,6 @@ import pytest
 from drainer_amqp.writer import Writer, _Message
 
 JOIN = 30.0
-
-
-@pytest.fixture(params=["default", "tiny-switch-interval"])
-def switching(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Run a concurrency test once as is, and once with the interpreter switching
-    threads as often as it can, to shake out interleavings."""
-    previous = sys.getswitchinterval()
-    if request.param != "default":
-        sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(previous)
 
 
 class FakeSocket:
@@ -116,9 +104,10 @@ def busy_writer(first: bytes = b"A") -> tuple[FakeSocket, Writer, threading.Thre
 
 
 def sender(
-    writer: Writer, data: bytes, name: str, **kwargs: float
+    writer: Writer, data: bytes, name: str, **kwargs: object
 ) -> tuple[threading.Thread, list]:
-    """A thread sending ``data``; its list gets "ok" or the exception once it returns."""
+    """A thread sending ``data`` (``kwargs``: as ``send``'s); its list gets "ok" or the
+    exception once it returns."""
     outcome: list[object] = []
 
     def run() -> None:
@@ -483,9 +472,9 @@ def test_a_publish_that_times_out_while_queued_takes_no_delivery_tag() -> None:
     entered(sock)
     with pytest.raises(TimeoutError, match="not draining"):
         writer.send([b"<B>"], take=take_for(b"B"), timeout=0.05)
-    c, c_out = sender_with(writer, b"<C>", "C", take=take_for(b"C"))
+    c, c_out = sender(writer, b"<C>", "C", take=take_for(b"C"))
     queued(writer, 1)
-    d, d_out = sender_with(writer, b"<D>", "D", take=take_for(b"D"))
+    d, d_out = sender(writer, b"<D>", "D", take=take_for(b"D"))
     queued(writer, 2)
     sock.release_all()
     for thread in (leader, c, d):
@@ -495,22 +484,6 @@ def test_a_publish_that_times_out_while_queued_takes_no_delivery_tag() -> None:
     assert wire == [b"A", b"C", b"D"]
     assert [tags[name] for name in wire] == [1, 2, 3], tags
     assert b"B" not in tags
-
-
-def sender_with(
-    writer: Writer, data: bytes, name: str, **kwargs: object
-) -> tuple[threading.Thread, list]:
-    """As ``sender``, with any keyword of ``send``."""
-    outcome: list[object] = []
-
-    def run() -> None:
-        try:
-            writer.send([data], **kwargs)  # type: ignore[arg-type]
-            outcome.append("ok")
-        except BaseException as exc:  # noqa: BLE001 - asserted by the tests
-            outcome.append(exc)
-
-    return start(run, name), outcome
 
 
 def interrupt_wait_of(
@@ -621,7 +594,7 @@ def test_an_endless_timeout_is_no_timeout() -> None:
     """``timeout=float('inf')`` used to raise OverflowError in the lock's wait, leaving
     the message queued with nobody to write it."""
     sock, writer, leader = busy_writer()
-    waiting, outcome = sender_with(writer, b"B", "B", timeout=float("inf"))
+    waiting, outcome = sender(writer, b"B", "B", timeout=float("inf"))
     queued(writer, 1)
     sock.release_all()
     for thread in (leader, waiting):
@@ -701,7 +674,7 @@ def test_a_refused_message_is_not_written_and_raises_its_error_in_its_thread() -
 
     b, b_out = sender(writer, b"B", "B")
     queued(writer, 1)
-    r, r_out = sender_with(writer, b"R", "R", take=refuse)
+    r, r_out = sender(writer, b"R", "R", take=refuse)
     queued(writer, 2)
     writer.send([b"N"], block=False)
     sock.release_all()

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -24,6 +24,7 @@ __all__ = [
     "CallCounter",
     "Drain",
     "blocked_in",
+    "run_in_thread",
     "drain_in_background",
     "stack_names",
     "wait_until_blocked",
@@ -38,6 +39,21 @@ BLOCKING_FRAMES = frozenset(
         "_read",  # py-amqp's transport._read: a legacy reader in recv()
     }
 )
+
+
+def run_in_thread(target: Callable[[], object], name: str) -> tuple[threading.Thread, list[Any]]:
+    """Run ``target`` in a daemon thread; the list gets its result or its exception."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(target())
+        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, outcome
 
 
 def stack_names(thread: threading.Thread) -> list[str]:
