@@ -245,14 +245,15 @@ class Connection(amqp.Connection):
         if self.reason is not None:
             raise self.error_for_caller()
 
-    def error_for_caller(self) -> BaseException:
+    def error_for_caller(self, report: bool = True) -> BaseException:
         """A fresh copy of the reason, so each thread gets its own traceback. It names
         this connection (``drainer_connection``), so the kombu transport can tell
-        which connection an error came from."""
+        which connection an error came from. ``report=False``: for a future that nobody
+        may look at, so the failure is not counted as told (see ``connected``)."""
         reason = self.reason
         if reason is None:
             return RecoverableConnectionError("connection already closed")
-        self._reported = True
+        self._reported = self._reported or report
         error = copy.copy(reason)
         error.__cause__ = reason.__cause__
         tag(error, self)

@@ -36,7 +36,7 @@ class FutureConnection(Protocol):
 
     reader: Reader
 
-    def error_for_caller(self) -> BaseException: ...
+    def error_for_caller(self, report: bool = True) -> BaseException: ...
 
 
 class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
@@ -72,8 +72,7 @@ class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         """A Return (``error``), the channel's close (``error``), or the connection's end
         (None: its reason)."""
         if error is None:
-            error = self._conn.error_for_caller()
-            self._settle(error, "failed")
+            self._settle(self._conn.error_for_caller(report=False), "failed")
         else:
             self._settle(error, "returned" if getattr(error, "reply_code", 0) == 312 else "failed")
 
