@@ -579,6 +579,7 @@ class Connection(amqp.Connection):
         self._init_locks()
         self.waiters.reset()
         self.inbox.reset()
+        self.unconfirmed = Window(self.unconfirmed.size)  # its lock may be held by a parent thread
         self.reader.close()  # a drainer's thread does not exist here; its pipe does
         self.writer = None  # its lock may be held by a parent thread that is gone
         self._close_socket(monotonic(), shutdown=False)  # before end(), which shuts it down
