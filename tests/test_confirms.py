@@ -7,12 +7,14 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import logging
+import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from functools import partial
+from typing import Any
 
 import kombu
 import pytest
@@ -232,6 +234,66 @@ def test_a_connection_closed_by_the_broker_fails_every_outstanding_future_at_onc
     assert acked <= bodies, f"acked but not in the queue: {sorted(acked - bodies)[:5]}"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reset_link_fails_every_outstanding_future_within_a_second(
+    mode: str, queue: str, proxied_broker: Any
+) -> None:
+    """Toxiproxy resets the link mid-stream (reset_peer): publishers on two channels are
+    told at once, every future settles within 1 s of the reset, and none says acked for
+    a message the queue does not hold."""
+    conn = connect(mode, host=proxied_broker.hostport, max_unconfirmed=100_000)
+    channels = [conn.channel() for _ in range(2)]
+    futures: dict[bytes, ConfirmFuture] = {}
+    raised: list[BaseException] = []
+
+    def publish(t: int) -> None:
+        n = 0
+        while True:
+            body = b"%d-%d" % (t, n)
+            try:
+                futures[body] = channels[t].basic_publish_deferred(
+                    Message(body), routing_key=queue, timeout=JOIN
+                )
+            except Exception as exc:  # noqa: BLE001 - the reset, asserted below
+                raised.append(exc)
+                return
+            n += 1
+
+    drains = mode == "legacy"  # legacy: somebody must read to notice, as a consumer would
+    publishers = [threading.Thread(target=partial(publish, t)) for t in range(2)]
+    reader = threading.Thread(target=lambda: _drain_until_error(conn), daemon=True)
+    try:
+        for thread in publishers:
+            thread.start()
+        assert wait_until(lambda: len(futures) > 3000, JOIN)
+        if drains:  # only now: a legacy read holds the socket, publishes wait behind it
+            reader.start()
+        proxied_broker.proxy.add_toxic(name="reset", type="reset_peer", attributes={"timeout": 0})
+        reset = time.monotonic()
+        for thread in publishers:
+            thread.join(JOIN)
+            assert not thread.is_alive(), "a publisher waited past its timeout"
+        assert wait_until(lambda: all(f.done() for f in list(futures.values())), 1.0), (
+            "a future stayed pending a second after the reset"
+        )
+        assert time.monotonic() - reset < JOIN
+        assert conn.reason is not None
+    finally:
+        if "reset" in [t.name for t in proxied_broker.proxy.toxics().values()]:
+            proxied_broker.proxy.destroy_toxic("reset")
+        conn.close()
+        if drains:
+            reader.join(JOIN)
+    assert len(raised) == 2 and all(isinstance(e, ConnectionLost) for e in raised), raised
+    acked, failed = outcomes(dict(futures))
+    assert failed, "nothing was outstanding at the reset"
+    assert all(isinstance(e, ConnectionLost) for e in failed.values()), {
+        type(e) for e in failed.values()
+    }
+    bodies = set(consume_all(queue, len(acked)))
+    assert acked <= bodies, f"acked but not in the queue: {sorted(acked - bodies)[:5]}"
+
+
 def _drain_until_error(conn: drainer_amqp.Connection) -> None:
     while True:
         try:
@@ -268,6 +330,87 @@ def test_outstanding_confirms_never_exceed_max_unconfirmed(mode: str, queue: str
         conn.close()
     assert max(seen) <= 100, max(seen)
     assert all(f.result(0) for f in futures)
+
+
+#: How long the never-stopping publisher runs (the issue's full length: 60).
+BOUND_SECONDS = float(os.environ.get("DRAINER_BOUND_SECONDS", "8"))
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_a_publisher_that_never_stops_stays_within_its_bounds() -> None:
+    """Deferred publishes of 1 KiB without pause, beside a slow consumer: outstanding
+    confirms never above max_unconfirmed, what waits to be written never above its byte
+    bound, and the process's memory flat after the first quarter."""
+    queue = unique_name("drainer-bound")
+    conn = connect("drainer", max_unconfirmed=2000)
+    consumer_conn = connect("drainer")
+    channel = conn.channel()
+    writer = conn.writer
+    assert writer is not None
+    channel.queue_declare(queue, auto_delete=False, arguments={"x-max-length": 20_000})
+    stop = threading.Event()
+    used: list[int] = []
+    unwritten: list[int] = []
+    rss: list[tuple[float, float]] = []
+    failed: list[BaseException] = []
+    began = time.monotonic()
+
+    def watch() -> None:
+        while not stop.wait(0.02):  # sampling, not synchronisation
+            used.append(conn.unconfirmed.used)
+            unwritten.append(writer._behind_bytes)  # noqa: SLF001 - the bound under test
+            rss.append((time.monotonic() - began, _rss_mb()))
+
+    def slow_consumer() -> None:
+        consumer = consumer_conn.channel()
+        consumer.basic_qos(0, 10, False)
+
+        def on_message(message: Message) -> None:
+            message.channel.basic_ack(message.delivery_tag)
+            stop.wait(0.001)  # a slow consumer: a millisecond per message
+
+        consumer.basic_consume(queue, callback=on_message)
+        while not stop.is_set():
+            try:
+                consumer_conn.drain_events(timeout=0.2)
+            except TimeoutError:
+                pass
+
+    def on_done(future: concurrent.futures.Future) -> None:
+        error = future.exception(0)
+        if error is not None:
+            failed.append(error)
+
+    threads = [threading.Thread(target=watch), threading.Thread(target=slow_consumer)]
+    for thread in threads:
+        thread.start()
+    published = 0
+    try:
+        body = b"x" * 1024
+        while time.monotonic() - began < BOUND_SECONDS:
+            future = channel.basic_publish_deferred(Message(body), routing_key=queue, timeout=JOIN)
+            future.add_done_callback(on_done)
+            published += 1
+        assert channel.wait_for_confirms(timeout=JOIN)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(JOIN)
+        channel.queue_delete(queue)
+        conn.close()
+        consumer_conn.close()
+    assert not failed, failed[:3]
+    assert published > 1000, published
+    assert max(used) <= 2000, max(used)
+    assert max(unwritten) <= drainer_amqp.writer.UNWRITTEN_LIMIT, max(unwritten)
+    settled = [mb for t, mb in rss if t > BOUND_SECONDS / 4]
+    grew = max(settled) - settled[0]
+    assert grew < 30, f"RSS grew {grew:.0f} MB from {settled[0]:.0f} MB"
 
 
 def test_a_publish_waits_at_most_its_timeout_for_room(queue: str) -> None:

@@ -29,6 +29,7 @@ class FakeSocket:
         self._permits: threading.Semaphore | None = None
         self.error: OSError | None = None
         self.timeout: float | None = None  # as a socket's: sendall raises after it
+        self.takes: int | None = None  # bytes a non-blocking send takes (None: all)
 
     def gettimeout(self) -> float | None:
         return self.timeout
@@ -48,6 +49,22 @@ class FakeSocket:
         permits, self._permits = self._permits, None
         if permits is not None:
             permits.release(1000)
+
+    def setblocking(self, flag: bool) -> None:
+        self.timeout = None if flag else 0.0
+
+    def send(self, payload: bytes) -> int:
+        """The flusher's non-blocking write: takes at most ``takes`` bytes (all if None);
+        BlockingIOError when it takes none."""
+        assert self.timeout == 0.0, "a flusher's write must not block"
+        self.calls.append(threading.current_thread().name)
+        if self.error is not None:
+            raise self.error
+        n = len(payload) if self.takes is None else min(self.takes, len(payload))
+        if not n:
+            raise BlockingIOError()
+        self.data += bytes(payload[:n])
+        return n
 
     def sendall(self, payload: bytes) -> None:
         self.calls.append(threading.current_thread().name)
@@ -686,3 +703,194 @@ def test_a_refused_message_is_not_written_and_raises_its_error_in_its_thread() -
     with pytest.raises(LookupError):
         writer.send([b"S"], take=refuse)  # refused as it leads, too
     assert_idle_and_working(writer, sock)
+
+
+# -- written behind (a deferred publish): the flusher writes it -------------------------
+def flushing_writer() -> tuple[FakeSocket, Writer, list[str]]:
+    """A writer with a flusher; the list counts its wake-ups (the test flushes)."""
+    sock = FakeSocket()
+    writer = make_writer(sock)
+    wakes: list[str] = []
+    writer.flusher_wake = lambda: wakes.append("wake")
+    return sock, writer, wakes
+
+
+def test_a_send_written_behind_returns_unwritten_and_the_flusher_writes_it_in_order() -> None:
+    sock, writer, wakes = flushing_writer()
+    told: list[object] = []
+    for data in (b"A", b"B", b"C"):
+        writer.send([data], behind=told.append)
+    assert bytes(sock.data) == b""
+    assert wakes == ["wake"]  # once for the three: the flusher was owed a flush already
+    assert writer.flush() is False  # all written, nothing left
+    assert bytes(sock.data) == b"ABC"
+    assert told == []
+    writer.send([b"D"])  # a blocking send: written by its own thread, as ever
+    assert bytes(sock.data) == b"ABCD"
+    assert_idle_and_working(writer, sock)
+
+
+def test_a_leader_leaves_what_nobody_waits_for_to_the_flusher() -> None:
+    """A leader writes its own batch; messages behind it that nobody waits for go to the
+    flusher, so no thread writes for others without end."""
+    sock, writer, leader = busy_writer()
+    wakes: list[str] = []
+    writer.flusher_wake = lambda: wakes.append("wake")
+    writer.send([b"B"], behind=lambda error: None)
+    writer.send([b"C"], behind=lambda error: None)
+    assert wakes == []  # a leader is writing: it hands them on when done
+    sock.release_all()
+    leader.join(JOIN)
+    assert bytes(sock.data) == b"A"
+    assert wakes == ["wake"]
+    assert not writer.busy
+    assert writer.flush() is False
+    assert bytes(sock.data) == b"ABC"
+    assert_idle_and_working(writer, sock)
+
+
+def test_a_waiter_behind_messages_written_behind_gets_them_written_first() -> None:
+    sock, writer, leader = busy_writer()
+    writer.flusher_wake = lambda: None
+    writer.send([b"B"], behind=lambda error: None)
+    c, c_out = sender(writer, b"C", "C")
+    queued(writer, 2)
+    sock.release_all()
+    for thread in (leader, c):
+        thread.join(JOIN)
+    assert c_out == ["ok"]
+    assert bytes(sock.data) == b"ABC"  # C's thread wrote B before its own C
+    assert_idle_and_working(writer, sock)
+
+
+def test_the_flusher_keeps_the_lead_while_the_socket_takes_part_and_never_blocks() -> None:
+    sock, writer, _ = flushing_writer()
+    sock.takes = 2
+    writer.send([b"AAAAA"], behind=lambda error: None)
+    assert writer.flush() is True  # three bytes wait for the socket
+    assert writer.busy
+    b, b_out = sender(writer, b"B", "B")  # a blocking send waits behind the flusher's lead
+    queued(writer, 1)
+    assert writer.flush() is True
+    sock.takes = 0
+    assert writer.flush() is True  # the socket takes nothing: BlockingIOError, no wait
+    sock.takes = None
+    assert writer.flush() is False  # AAAAA done; the lead went to B's thread
+    b.join(JOIN)
+    assert b_out == ["ok"]
+    assert bytes(sock.data) == b"AAAAAB"
+    assert_idle_and_working(writer, sock)
+
+
+def test_a_refused_message_written_behind_is_told_outside_the_writers_lock() -> None:
+    """Its callback settles a future, whose done-callbacks are user code: they may send."""
+    sock, writer, _ = flushing_writer()
+    told: list[object] = []
+
+    def refuse() -> None:
+        raise LookupError("channel closed")
+
+    def on_refused(error: BaseException | None) -> None:
+        assert writer._lock.acquire(blocking=False), "told under the writer's lock"  # noqa: SLF001
+        writer._lock.release()  # noqa: SLF001
+        writer.send([b"X"], behind=told.append)  # from the callback, as user code might
+        told.append(error)
+
+    writer.send([b"A"], behind=told.append)
+    writer.send([b"R"], take=refuse, behind=on_refused)
+    writer.send([b"C"], behind=told.append)
+    while writer.flush():
+        pass
+    while writer.flush():  # X, queued by the callback
+        pass
+    assert [type(e) for e in told] == [LookupError]
+    assert bytes(sock.data) == b"ACX"
+    assert_idle_and_working(writer, sock)
+
+
+def test_fail_tells_every_message_written_behind_and_still_queued() -> None:
+    sock, writer, _ = flushing_writer()
+    told: list[object] = []
+    writer.send([b"A"], behind=told.append)
+    writer.send([b"B"], behind=told.append)
+    writer.fail(lambda: ConnectionError("gone"))
+    assert told == [None, None]  # None: the connection's reason
+    assert writer.flush() is False
+    assert bytes(sock.data) == b""
+    with pytest.raises(ConnectionError):
+        writer.send([b"C"], behind=told.append)
+
+
+def test_a_failed_flush_fails_its_batch_and_raises_the_connections_reason() -> None:
+    sock, writer, _ = flushing_writer()
+    told: list[object] = []
+    writer.send([b"A"], behind=told.append)
+    sock.error = OSError("reset")
+    with pytest.raises(ConnectionError):
+        writer.flush()
+    assert told == [None]
+    assert not writer.busy
+    with pytest.raises(ConnectionError):
+        writer.send([b"B"])
+
+
+def test_past_the_unwritten_limit_a_send_written_behind_waits_its_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("drainer_amqp.writer.UNWRITTEN_LIMIT", 4)
+    sock, writer, wakes = flushing_writer()
+    writer.send([b"AA"], behind=lambda error: None)
+    writer.send([b"BB"], behind=lambda error: None)
+    assert bytes(sock.data) == b""
+    writer.send([b"CC"], behind=lambda error: None)  # over the limit: written, in order
+    assert bytes(sock.data) == b"AABBCC"
+    assert writer.flush() is False
+    assert_idle_and_working(writer, sock)
+
+
+def test_randomized_sends_written_behind_and_blocking_arrive_whole_and_in_order(
+    switching: None,
+) -> None:
+    """Threads mixing both kinds of send while a flusher thread flushes; every message
+    arrives once, whole, in each thread's order; nobody is told of a failure."""
+    sock = FakeSocket()
+    sock.takes = 7  # partial writes all the time
+    writer = make_writer(sock)
+    wake = threading.Event()
+    writer.flusher_wake = wake.set
+    stop = threading.Event()
+    told: list[object] = []
+
+    def flusher() -> None:
+        while not stop.is_set():
+            wake.wait(0.01)
+            wake.clear()
+            while writer.flush():
+                pass
+
+    def publisher(t: int) -> None:
+        rng = random.Random(t)
+        for i in range(300):
+            data = b"<%d:%d>" % (t, i)
+            if rng.random() < 0.7:
+                writer.send([data], behind=told.append)
+            else:
+                writer.send([data], timeout=JOIN)
+
+    flushing = start(flusher, "flusher")
+    threads = [start(partial(publisher, t), f"p{t}") for t in range(6)]
+    for thread in threads:
+        thread.join(JOIN)
+        assert not thread.is_alive()
+    deadline = time.monotonic() + JOIN
+    while len(re.findall(rb"<\d+:\d+>", bytes(sock.data))) < 6 * 300:
+        assert time.monotonic() < deadline, "messages written behind were not flushed"
+        wake.set()
+        time.sleep(0.005)
+    stop.set()
+    flushing.join(JOIN)
+    assert told == []
+    found = re.findall(rb"<(\d+):(\d+)>", bytes(sock.data))
+    assert len(found) == 6 * 300
+    for t in range(6):
+        assert [int(i) for th, i in found if int(th) == t] == list(range(300))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
+from functools import partial
 from struct import unpack_from
 from time import monotonic
 from typing import Any, Protocol
@@ -45,6 +46,18 @@ _QUEUED = _QUEUED_BY_CONSUMER | {spec.Basic.Return}
 _EVENTS = {_ACK: "basic_ack", _NACK: "basic_nack"}
 #: Written on a channel the broker closed: the close handshake, and the reopening.
 _ALWAYS_WRITTEN = frozenset((spec.Channel.Open, spec.Channel.Close, spec.Channel.CloseOk))
+
+
+def _closed_unconfirmed() -> BaseException:
+    return RecoverableConnectionError("the channel was closed before the broker confirmed")
+
+
+def _refused_behind(future: ConfirmFuture, error: BaseException | None) -> None:
+    """A publish written behind was not written: the channel had closed (``_Refused``),
+    or the connection ended (None)."""
+    if isinstance(error, _Refused):
+        error = copy.copy(error.error)
+    future.fail(error)
 
 
 class _Refused(Exception):  # noqa: N818 - internal: carries the channel's close error
@@ -119,6 +132,7 @@ class Channel(pyamqp.Channel):
         # SelectOk, so that racing threads send Confirm.Select once.
         self._confirm_lock = threading.Lock()
         self._deferred_failed = False  # a deferred confirm failed since wait_for_confirms
+        self._deferred: set[ConfirmFuture] = set()  # deferred publishes not settled yet
         super().__init__(connection, *args, **kwargs)
         if getattr(connection, "confirm_publish", None) == "deferred":
             self.basic_publish = self.basic_publish_deferred  # type: ignore[method-assign, assignment]
@@ -141,6 +155,9 @@ class Channel(pyamqp.Channel):
     def collect(self) -> None:
         conn = self.connection
         self._ended_connection = conn or self._ended_connection
+        # Confirms still out will not come on this channel: their waits end now.
+        ended = conn is None or conn.reason is not None
+        self.confirms.fail_all(None if ended else _closed_unconfirmed())
         if conn is not None:
             with conn._channel_id_lock:  # py-amqp's collect frees the id in _used_channel_ids
                 if conn.channels is not None:
@@ -157,6 +174,11 @@ class Channel(pyamqp.Channel):
             return None
         if in_failover_after_another(conn):
             return None  # kombu's failover would close another thread's default channel
+        if conn is not None and self._deferred:
+            try:  # as the connection's close(): the broker's answers first
+                self.wait_for_confirms(timeout=CLOSE_TIMEOUT / 2)
+            except Exception:  # noqa: BLE001, S110 - a timeout or an end: close anyway
+                pass
         return super().close(*args, **kwargs)
 
     # -- waiting for replies ---------------------------------------------------------
@@ -484,7 +506,10 @@ class Channel(pyamqp.Channel):
         timeout: float | None,
         argsig: str,
         waiter: Waiter | None,
+        behind: Callable[[BaseException | None], None] | None = None,
     ) -> int:
+        """Write one Basic.Publish (``behind``: see :meth:`Writer.send`); its delivery
+        tag, if it was written already and the channel is in confirm mode."""
         conn = self._live_conn()
         error = self._close_error
         if error is not None:
@@ -514,7 +539,14 @@ class Channel(pyamqp.Channel):
             args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
         try:
             self._write(
-                conn, spec.Basic.Publish, args, msg, take=take, timeout=timeout, encoded=chunks
+                conn,
+                spec.Basic.Publish,
+                args,
+                msg,
+                take=take,
+                timeout=timeout,
+                encoded=chunks,
+                behind=behind,
             )
         except TimeoutError as exc:
             self.confirms.drop(tag, waiter)
@@ -572,8 +604,11 @@ class Channel(pyamqp.Channel):
     ) -> ConfirmFuture:
         """Publish, and return at once a :class:`~drainer_amqp.deferred.ConfirmFuture`
         the broker's answer settles (docs/confirms.md). Puts the channel in confirm mode.
-        Returns once the message is written; waits first, at most ``timeout`` seconds,
-        while ``max_unconfirmed`` confirms of the connection are outstanding."""
+        In drainer mode the message is written behind, by the drainer or whichever thread
+        writes next, in order with everything else; in legacy mode (and over TLS) this
+        call writes it. Waits, at most ``timeout`` seconds, while ``max_unconfirmed``
+        confirms of the connection are outstanding or ``UNWRITTEN_LIMIT`` bytes wait to
+        be written."""
         conn = self._live_conn()
         if not self._confirm_selected:
             self._select_confirms()
@@ -590,11 +625,17 @@ class Channel(pyamqp.Channel):
                 f"basic_publish_deferred: timed out: {conn.unconfirmed.size} confirms "
                 "outstanding (max_unconfirmed)"
             )
+        # Until it is written, the writer fails it if it is not (_refused_behind); once
+        # taken, it waits in self.confirms, which the connection's end fails.
         future = ConfirmFuture(conn, self._deferred_settled)  # type: ignore[arg-type]
-        conn.waiters.add(future)  # type: ignore[arg-type]
+        self._deferred.add(future)
         try:
             left = None if deadline is None else deadline - monotonic()
-            self._publish(msg, exchange, routing_key, mandatory, immediate, left, argsig, future)  # type: ignore[arg-type]
+            self._publish(
+                msg, exchange, routing_key, mandatory, immediate, left, argsig,
+                future,  # type: ignore[arg-type]
+                partial(_refused_behind, future),
+            )  # fmt: skip
         except BaseException as exc:
             future._asked = True  # the caller gets the error, not the future
             future.fail(exc if isinstance(exc, Exception) else None)
@@ -606,10 +647,10 @@ class Channel(pyamqp.Channel):
         conn = self._ended_connection or self.connection
         if conn is not None:
             conn.unconfirmed.leave()
-            conn.waiters.discard(future)  # type: ignore[arg-type]
             conn.confirm_counts[outcome] += 1
         if outcome != "acked":
             self._deferred_failed = True
+        self._deferred.discard(future)
 
     def wait_for_confirms(self, timeout: float | None = None) -> bool:
         """Wait until every deferred publish of this channel made so far is settled;
@@ -618,8 +659,8 @@ class Channel(pyamqp.Channel):
         ``timeout`` seconds. In legacy mode this thread reads while it waits."""
         conn = self._live_conn()
         deadline = deadline_after(timeout)
-        for future in self.confirms.pending():
-            if isinstance(future, ConfirmFuture):
+        for future in self._deferred.copy():  # one C call: the drainer discards from it
+            if not future.done():
                 try:
                     conn.reader.wait(future, deadline)
                 except TimeoutError:

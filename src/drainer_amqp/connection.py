@@ -15,6 +15,7 @@ import copy
 import logging
 import os
 import socket
+import ssl
 import threading
 import weakref
 from collections.abc import Callable
@@ -178,10 +179,12 @@ class Connection(amqp.Connection):
         block: bool = True,
         last: Callable[[], BaseException] | None = None,
         encoded: list[bytes | memoryview] | None = None,
+        behind: Callable[[BaseException | None], None] | None = None,
     ) -> None:
         """Encode one method (with its content, if any) and send its frames whole, after
         everything sent before; ``encoded``: its frames, encoded already (by
-        ``publish_encoder``). See :meth:`Writer.send` for ``take``, ``block``, ``last``."""
+        ``publish_encoder``). See :meth:`Writer.send` for ``take``, ``block``, ``last``,
+        ``behind``."""
         writer = self.writer
         if writer is None:
             raise self.error_for_caller()
@@ -191,7 +194,7 @@ class Connection(amqp.Connection):
                 encoded, self._encoded = self._encoded, []
         else:
             self.bytes_sent += 1  # as py-amqp's frame writer: heartbeats watch it change
-        writer.send(encoded, take=take, timeout=timeout, block=block, last=last)
+        writer.send(encoded, take=take, timeout=timeout, block=block, last=last, behind=behind)
 
     def connect(self, callback: Callable[[], Any] | None = None) -> Any:
         try:
@@ -208,6 +211,10 @@ class Connection(amqp.Connection):
                 frame_max=self.frame_max,
                 heartbeat=self.heartbeat or 0,
             )
+            if self.reader.owns_socket and not isinstance(self._transport.sock, ssl.SSLSocket):
+                # The drainer writes what is written behind (an SSLSocket cannot be
+                # written without blocking and resumed safely).
+                self.writer.flusher_wake = self.reader.wake  # type: ignore[union-attr]
         return result
 
     def _get_free_channel_id(self) -> int:
@@ -459,6 +466,10 @@ class Connection(amqp.Connection):
             finally:
                 self.dispatching_thread = None
                 self._lock_held += perf_counter() - start
+
+    def flush_writes(self) -> bool:
+        writer = self.writer
+        return writer is not None and writer.flush()
 
     def try_send_heartbeat(self) -> bool:
         if self.reason is not None or self.writer is None or self.writer.busy:

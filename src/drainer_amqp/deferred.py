@@ -59,6 +59,7 @@ class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         self._conn = conn
         self._on_settled = on_settled
         self._asked = False  # result() or exception() was called
+        self._claimed = False  # an answer was taken; under self._condition
 
     # -- settled by the reading thread, or by the connection's end ----------------------
     def __call__(self, method_sig: tuple[int, int], *args: Any) -> None:
@@ -77,14 +78,20 @@ class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
             self._settle(error, "returned" if getattr(error, "reply_code", 0) == 312 else "failed")
 
     def _settle(self, error: BaseException | None, outcome: str) -> None:
-        try:
-            if error is None:
-                self.set_result(True)
-            else:
-                self.set_exception(error)
-        except concurrent.futures.InvalidStateError:
-            return  # settled already: the first answer stands
+        with self._condition:  # the first answer stands
+            if self._claimed:
+                return
+            self._claimed = True
+        # Counted first: whoever sees the future done sees its outcome counted too.
         self._on_settled(self, outcome)
+        if error is None:
+            self.set_result(True)
+        else:
+            self.set_exception(error)
+
+    def cancel(self) -> bool:
+        """A publish cannot be called back: always False (as for a running future)."""
+        return False
 
     # -- waited on ---------------------------------------------------------------------
     def ready(self) -> bool:
@@ -114,10 +121,11 @@ class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         return super().exception(0 if self.done() else timeout)
 
     def __del__(self) -> None:
-        if not self._asked and self.done() and not self.cancelled():
-            error = super().exception(0)
-            if error is not None:
-                logger.warning("a deferred publish failed and nobody asked: %r", error)
+        # No lock: nobody else holds the future any more. _exception is set only by
+        # set_exception (concurrent.futures keeps it None otherwise).
+        error = self._exception
+        if error is not None and not self._asked:
+            logger.warning("a deferred publish failed and nobody asked: %r", error)
 
 
 class _Turn:
@@ -137,10 +145,12 @@ class Window:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._lock = threading.Condition(threading.Lock())  # guards the three below
+        self._lock = threading.Lock()  # guards the four below; any thread
+        self._changed = threading.Condition(self._lock)  # for wait() and room.wait()
         self.used = 0
         self._turns: deque[_Turn] = deque()  # waiters, first come first served
         self._ended = False
+        self._watchers = 0  # threads in wait() or room.wait()
         self.room = _Room(self)
 
     def enter(self, timeout: float | None) -> bool:
@@ -173,8 +183,10 @@ class Window:
     def leave(self) -> None:
         with self._lock:
             self.used -= 1
-            self._hand_over()
-            self._lock.notify_all()  # for room.wait() and wait()
+            if self._turns:
+                self._hand_over()
+            if self._watchers:
+                self._changed.notify_all()
 
     def _hand_over(self) -> None:
         while self._turns and self.used < self.size and not self._ended:
@@ -188,17 +200,25 @@ class Window:
         with self._lock:
             self._ended = True
             turns, self._turns = self._turns, deque()
-            self._lock.notify_all()
+            self._changed.notify_all()
         for turn in turns:
             turn.signal.release()
+
+    def watch(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``ready()`` (checked under the lock); False after ``timeout``."""
+        with self._lock:
+            self._watchers += 1
+            try:
+                return self._changed.wait_for(ready, None if timeout is None else max(timeout, 0))
+            finally:
+                self._watchers -= 1
 
     # -- an Awaitable: "nothing outstanding", for close() --------------------------------
     def ready(self) -> bool:
         return not self.used
 
     def wait(self, timeout: float | None) -> bool:
-        with self._lock:
-            return self._lock.wait_for(self.ready, None if timeout is None else max(timeout, 0))
+        return self.watch(self.ready, timeout)
 
 
 class _Room:
@@ -213,5 +233,4 @@ class _Room:
         return window.used < window.size or window._ended
 
     def wait(self, timeout: float | None) -> bool:
-        with self._window._lock:
-            return self._window._lock.wait_for(self.ready, timeout)
+        return self._window.watch(self.ready, timeout)

@@ -7,6 +7,9 @@
   once, so a TLS read is a non-blocking read under the writer's ``io_lock``.)
 * It sends a heartbeat when nothing was written for half the interval, and fails the
   connection when the broker was silent for two.
+* It writes what the connection's writer queued behind (:meth:`Writer.flush
+  <drainer_amqp.writer.Writer.flush>`, deferred publishes), without blocking: while the
+  socket does not take it all, it also waits in ``select`` for the socket to be writable.
 * It never runs user code. While the inbox is full (``sink.reading_paused()``) it stops
   reading, so TCP back-pressure reaches the broker; :meth:`Drainer.wake` resumes it.
 * :meth:`Drainer.stop` wakes the ``select`` at once; the thread exits and reports to
@@ -43,6 +46,7 @@ class DrainerSink(Protocol):
     def io_lock(self) -> Any: ...
 
     def dispatch_frames(self, frames: list[Frame]) -> None: ...
+    def flush_writes(self) -> bool: ...
     def try_send_heartbeat(self) -> bool: ...
     def reading_paused(self) -> bool: ...
     def drainer_exited(self, error: BaseException | None) -> None: ...
@@ -153,15 +157,21 @@ class Drainer:
         last_recv = last_sent = now
         seen_sent = self._sink.bytes_sent
         interval = self._heartbeat
-        watching = False  # whether the socket is registered with the selector
+        watching = 0  # the events the socket is registered for with the selector
+        flushing = False  # bytes written behind wait for the socket to take them
         while not self._stopping:
             paused = self._sink.reading_paused()
-            if paused == watching:
-                if paused:
+            events = (0 if paused else selectors.EVENT_READ) | (
+                selectors.EVENT_WRITE if flushing else 0
+            )
+            if events != watching:
+                if not watching:
+                    selector.register(self._sock, events)
+                elif not events:
                     selector.unregister(self._sock)
                 else:
-                    selector.register(self._sock, selectors.EVENT_READ)
-                watching = not paused
+                    selector.modify(self._sock, events)
+                watching = events
             if paused:
                 last_recv = monotonic()  # the silence is ours, not the broker's
             # A socket closed by someone else vanishes from the selector without an
@@ -174,10 +184,10 @@ class Drainer:
                 readable = True  # decrypted bytes that select cannot see
             else:
                 readable = False
-                for key, _ in selector.select(timeout):
+                for key, ready in selector.select(timeout):
                     if key.fileobj is wake:
                         wake.clear()
-                    else:
+                    elif ready & selectors.EVENT_READ:
                         readable = True
             if self._stopping:
                 return
@@ -186,6 +196,7 @@ class Drainer:
             now = monotonic()
             if readable and self._read():
                 last_recv = now
+            flushing = self._sink.flush_writes()
             if interval:
                 sent = self._sink.bytes_sent
                 if sent != seen_sent:

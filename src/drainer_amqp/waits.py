@@ -14,6 +14,7 @@ lock) fills these; any thread may wait on them.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
 from time import monotonic
@@ -25,12 +26,19 @@ __all__ = ["Confirms", "Inbox", "Waiters"]
 
 
 class Waiters:
-    """The set of live :class:`Waiter` objects of one connection."""
+    """The set of live :class:`Waiter` objects of one connection, and its channels'
+    :class:`Confirms` (a deferred confirm waits only there)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # guards _waiting and _ended
+        self._lock = threading.Lock()  # guards _waiting, _ended and _confirms
         self._waiting: set[Waiter] = set()
         self._ended = False
+        self._confirms: weakref.WeakSet[Confirms] = weakref.WeakSet()
+
+    def track(self, confirms: Confirms) -> None:
+        """Fail every confirm ``confirms`` waits for when the connection ends."""
+        with self._lock:
+            self._confirms.add(confirms)
 
     def add(self, waiter: Waiter) -> Waiter:
         """Register ``waiter``; after the end it is failed at once."""
@@ -50,8 +58,11 @@ class Waiters:
         with self._lock:
             self._ended = True
             waiting, self._waiting = self._waiting, set()
+            confirms = list(self._confirms)
         for waiter in waiting:
             waiter.fail()
+        for pending in confirms:
+            pending.fail_all(None)
 
     def reset(self) -> None:
         """After a fork: the parent's waiters do not exist in this process."""
@@ -76,6 +87,7 @@ class Confirms:
         self._lock = threading.Lock()  # guards _tag and _waiting
         self._tag = 0
         self._waiting: dict[int, Waiter] = {}  # insertion order is tag order
+        waiters.track(self)
 
     def reset(self) -> None:
         """Confirm.Select (re)starts numbering at 1."""
@@ -132,13 +144,9 @@ class Confirms:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def pending(self) -> list[Any]:
-        """What waits for a confirm now, in tag order (a copy)."""
-        with self._lock:
-            return list(self._waiting.values())
-
-    def fail_all(self, error: BaseException) -> None:
-        """The broker closed the channel: every pending confirm fails with ``error``."""
+    def fail_all(self, error: BaseException | None) -> None:
+        """The broker closed the channel: every pending confirm fails with ``error``
+        (None: the connection ended, with its reason)."""
         with self._lock:
             waiting, self._waiting = self._waiting, {}
         for waiter in waiting.values():

@@ -42,8 +42,17 @@ A thread with a complete message (all its frames, already encoded) calls
 ``block=False`` (heartbeats, and the replies of the thread that reads) never sleeps:
 the message is queued for the leader, or written at once when nobody is writing.
 
-The queue holds at most one waiting message per thread, plus those replies, so it
-needs no bound of its own.
+**Written behind.** When the connection has a *flusher* (drainer mode on plain TCP: the
+drainer thread), ``send(behind=True)`` (a deferred publish, whose future is its promise)
+queues the message and returns at once, unwritten. A leader that finds only such
+messages queued hands them to the flusher instead of writing them, so no caller writes
+for others without end; the flusher (:meth:`Writer.flush`) writes them without blocking,
+and keeps the lead while the socket takes them. Without a flusher, ``behind`` is a
+blocking send. At most ``UNWRITTEN_LIMIT`` bytes wait behind: beyond it, ``behind`` is
+a blocking send too, so a fast publisher waits its turn.
+
+The queue holds at most one waiting message per thread, the replies, and
+``UNWRITTEN_LIMIT`` bytes written behind.
 """
 
 from __future__ import annotations
@@ -63,24 +72,37 @@ __all__ = ["Writer"]
 _QUEUED, _TAKEN, _LEAD, _WRITTEN, _FAILED = range(5)
 #: How often an interrupted clean-up is taken up again before it gives up.
 _CLEAN_UP_TRIES = 10
+#: Bytes queued to be written behind, at most (beyond, a send written behind waits).
+UNWRITTEN_LIMIT = 4 * 1024 * 1024
+_NONE: list[Any] = []
 
 
 class _Message:
     """One message, and the wake-up of the thread that waits for it."""
 
-    __slots__ = ("chunks", "take", "state", "error", "batch", "written", "wake_next", "_signal")
+    __slots__ = (
+        "chunks", "take", "refused", "state", "error", "batch", "written", "wake_next",
+        "_signal",
+    )  # fmt: skip
 
     def __init__(
-        self, chunks: list[bytes | memoryview], take: Callable[[], Any] | None, waits: bool
+        self,
+        chunks: list[bytes | memoryview],
+        take: Callable[[], Any] | None,
+        waits: bool,
+        refused: Callable[[BaseException | None], None] | None = None,
     ) -> None:
         self.chunks = chunks
         self.take = take
+        # A message nobody waits for: told, outside the lock, if it is not written.
+        self.refused = refused
         self.state = _QUEUED
         self.error: BaseException | None = None  # why it was refused, if it was
         # While its thread holds the lead: what to write, what it wrote, whom to wake.
-        self.batch: list[_Message] = []
-        self.written: list[_Message] = []
-        self.wake_next: list[_Message] = []
+        # (Shared empty lists until it leads: they are replaced, never appended to.)
+        self.batch: list[_Message] = _NONE
+        self.written: list[_Message] = _NONE
+        self.wake_next: list[_Message] = _NONE
         self._signal: threading.Lock | None = None
         if waits:
             self._signal = threading.Lock()
@@ -91,12 +113,16 @@ class _Message:
         return self._signal is not None
 
     def wake(self) -> None:
-        """Wake its thread (after its state changed); waking twice is harmless."""
+        """Wake its thread (after its state changed); waking twice is harmless. A message
+        nobody waits for that failed tells its ``refused`` callback (once)."""
         if self._signal is not None:
             try:
                 self._signal.release()
             except RuntimeError:
                 pass
+        elif self.state == _FAILED and self.refused is not None:
+            refused, self.refused = self.refused, None
+            refused(self.error)
 
     def wait(self, timeout: float | None) -> bool:
         assert self._signal is not None
@@ -130,6 +156,14 @@ class Writer:
         self._queue: list[_Message] = []
         self._leading = False  # a thread holds the lead: it writes, or is about to
         self._error: Callable[[], BaseException] | None = None  # set by fail() or a last send
+        self._behind_bytes = 0  # queued to be written behind
+        self._flush_owed = False  # the flusher was woken to write what is queued
+        #: Wakes the flusher (set by the connection when it has one); None: no flusher.
+        self.flusher_wake: Callable[[], None] | None = None
+        # The flusher's own state, touched by its thread only: its lead and what of its
+        # batch the socket has not taken yet.
+        self._flushing: _Message | None = None
+        self._unsent = memoryview(b"")
 
     @property
     def busy(self) -> bool:
@@ -141,6 +175,7 @@ class Writer:
         with self._lock:
             self._error = error
             queued, self._queue = self._queue, []
+            self._behind_bytes = 0
             for message in queued:
                 message.state = _FAILED
         for message in queued:
@@ -154,6 +189,7 @@ class Writer:
         timeout: float | None = None,
         block: bool = True,
         last: Callable[[], BaseException] | None = None,
+        behind: Callable[[BaseException | None], None] | None = None,
     ) -> None:
         """Write ``data`` (the frames of one message) after everything queued before it;
         return once it is written.
@@ -162,12 +198,21 @@ class Writer:
         that is written (see the module docstring); an exception from it refuses the
         message and is raised here. ``block=False``: return at once if another thread is
         writing (the message goes out with its batch). ``last``: refuse every later send
-        with ``last()``. Raises the connection's reason when it failed before the message
-        was written, ``TimeoutError`` when the message waited ``timeout`` without being
+        with ``last()``. ``behind``: write it behind if the connection has a flusher (see
+        the module docstring) and return at once; ``behind(error)`` is called, outside
+        the lock, if the message is then refused or fails unwritten (``error`` is None:
+        the connection's reason). Raises the connection's reason when it failed before the
+        message was written, ``TimeoutError`` when the message waited ``timeout`` without being
         written (it was not, unless the error says it may have been) or when the write
         itself did not end in time (the connection then ends), or the socket's error
         when this thread's write failed.
         """
+        if (
+            behind is not None
+            and self.flusher_wake is not None
+            and self._queue_behind(data, take, behind)
+        ):
+            return
         deadline = deadline_after(timeout)
         message = _Message(data, take, block)
         try:
@@ -176,23 +221,56 @@ class Writer:
                     raise self._error()
                 if self._leading:
                     self._queue.append(message)  # from here on only a leader takes it
-                else:
-                    self._take([message])
-                    if message.state == _FAILED:
-                        assert message.error is not None
-                        raise message.error
-                    self._leading = True
-                    message.batch = [message]
-                    message.state = _LEAD
-                if last is not None:
+                else:  # lead: what waits to be written behind goes first
+                    queued, self._queue, self._behind_bytes = self._queue, [], 0
+                    queued.append(message)
+                    self._take(queued)
+                    batch = [m for m in queued if m.state == _TAKEN]
+                    message.wake_next = [m for m in queued if m.state == _FAILED]
+                    if batch:  # even if its own was refused: the batch is written
+                        self._leading = True
+                        message.batch = batch
+                        message.state = _LEAD
+                if last is not None and message.error is None:
                     self._error = last
             if message.state == _LEAD:
                 self._lead(message, deadline)
+            elif message.state == _FAILED:
+                self._wake_owed(message)
             elif block:
                 self._await_turn(message, deadline)
         except BaseException:
             self._withdraw(message, deadline)
             raise
+        if message.error is not None:  # refused as it was taken
+            raise message.error
+
+    def _queue_behind(
+        self,
+        data: list[bytes | memoryview],
+        take: Callable[[], Any] | None,
+        refused: Callable[[BaseException | None], None],
+    ) -> bool:
+        """Queue a message to be written behind; False if ``UNWRITTEN_LIMIT`` is reached
+        (the caller then sends it as any other)."""
+        size = sum(len(chunk) for chunk in data)
+        with self._lock:
+            if self._error is not None:
+                raise self._error()
+            if self._behind_bytes and self._behind_bytes + size > UNWRITTEN_LIMIT:
+                return False
+            self._queue.append(_Message(data, take, False, refused))
+            self._behind_bytes += size
+            wake = not self._leading and not self._flush_owed
+            self._flush_owed = self._flush_owed or wake
+        if wake:
+            self._wake_flusher()
+        return True
+
+    def _wake_flusher(self) -> None:
+        flusher_wake = self.flusher_wake
+        if flusher_wake is not None:
+            flusher_wake()
 
     def _await_turn(self, message: _Message, deadline: float | None) -> None:
         """Sleep until ``message`` is written (return), failed (raise), or handed the
@@ -248,10 +326,20 @@ class Writer:
     def _hand_over(self, mine: _Message) -> None:
         """After ``mine.written`` is written: take the queue as the next batch and give it
         to its first waiter, or keep it (nobody in it waits), or release the lead."""
+        flush = False
         with self._lock:
             queued = self._queue
+            if (
+                self.flusher_wake is not None
+                and mine is not self._flushing
+                and not any(m.waits for m in queued)
+            ):
+                queued = []  # only messages nobody waits for: the flusher writes them
+                flush = bool(self._queue) and not self._flush_owed
+                self._flush_owed = self._flush_owed or flush
             self._take(queued)  # first: an interrupted take leaves the queue as it was
-            self._queue = []
+            if queued:
+                self._queue, self._behind_bytes = [], 0
             batch = [m for m in queued if m.state == _TAKEN]
             written, mine.written = mine.written, []
             for message in written:
@@ -269,6 +357,8 @@ class Writer:
             owed = [successor] if successor is not None else []
             refused = [m for m in queued if m.state == _FAILED]
             mine.wake_next = owed + [m for m in written if m is not mine] + refused
+        if flush:
+            self._wake_flusher()
 
     def _failed(self, mine: _Message, exc: BaseException) -> None:
         """The write of ``mine.batch`` failed: it and the queue fail, the lead is
@@ -278,12 +368,78 @@ class Writer:
                 self._error = partial(ConnectionError, f"write failed: {exc!r}")
             self._leading = False
             failed = mine.batch + self._queue
-            mine.batch, self._queue = [], []
+            mine.batch, self._queue, self._behind_bytes = [], [], 0
             for message in failed:
                 message.state = _FAILED
             mine.state = _FAILED
             mine.wake_next = [m for m in failed if m is not mine]
         self._wake_owed(mine)
+
+    # -- the flusher ---------------------------------------------------------------------
+    def flush(self) -> bool:
+        """The flusher's turn (its thread only): write, without blocking, what is queued
+        behind, a batch at a time. Returns whether more waits to be written (call again
+        when the socket is writable). Raises the connection's reason if a write fails."""
+        mine = self._flushing
+        if mine is None and self._flush_owed:  # set before the flusher is woken
+            mine = self._start_flush()
+        if mine is None:
+            return False
+        if not self._send_some(mine):
+            return True
+        mine.written, mine.batch = mine.batch, []
+        self._hand_over(mine)
+        if mine.state == _LEAD:  # the queue, nobody waiting in it: the next batch
+            self._unsent = self._payload(mine.batch)
+        else:
+            self._flushing = None
+        self._wake_owed(mine)
+        return mine.state == _LEAD
+
+    def _start_flush(self) -> _Message | None:
+        mine = _Message([], None, False)
+        with self._lock:
+            self._flush_owed = False
+            if self._leading or self._error is not None or not self._queue:
+                return None
+            queued, self._queue, self._behind_bytes = self._queue, [], 0
+            self._take(queued)
+            mine.batch = [m for m in queued if m.state == _TAKEN]
+            mine.wake_next = [m for m in queued if m.state == _FAILED]
+            if mine.batch:
+                self._leading = True
+                mine.state = _LEAD
+        self._wake_owed(mine)
+        if mine.state != _LEAD:
+            return None
+        self._flushing = mine
+        self._unsent = self._payload(mine.batch)
+        return mine
+
+    def _send_some(self, mine: _Message) -> bool:
+        """Give the socket what it takes now of the flusher's batch; whether all of it."""
+        sock = self._sock
+        try:
+            with self.io_lock:
+                previous = sock.gettimeout()
+                sock.setblocking(False)
+                try:
+                    sent = sock.send(self._unsent)
+                except BlockingIOError:
+                    sent = 0
+                finally:
+                    sock.settimeout(previous)
+        except BaseException as exc:
+            self._flushing, self._unsent = None, memoryview(b"")
+            error = self._on_error(exc) if isinstance(exc, OSError) else exc
+            self._failed(mine, exc)
+            raise error from exc
+        self._unsent = self._unsent[sent:]
+        return not self._unsent
+
+    @staticmethod
+    def _payload(batch: list[_Message]) -> memoryview:
+        return memoryview(b"".join(chunk for message in batch for chunk in message.chunks))
 
     @staticmethod
     def _wake_owed(mine: _Message) -> None:
