@@ -1,26 +1,42 @@
 """Benchmark G: confirmed publishing, 64-byte bodies, one connection.
 
 Confirmed msg/s = messages acked / seconds from the first publish to the last ack. Rows,
-interleaved round by round: the ceiling (a raw socket in confirm mode: pre-encoded
-publishes written in batches, acks read as a stream by a second thread, at most 20,000
-unconfirmed), stock py-amqp ``basic_publish_confirm`` (one thread), the drainer's
-synchronous ``basic_publish_confirm`` (one thread), and ``basic_publish_deferred`` (one
-thread and ten, drainer mode; one thread, legacy mode). Hard checks only: every deferred
-future is acked and the queue holds every message.
+interleaved round by round, each publishing for ``WINDOW`` seconds to one queue:
+
+* the ceiling: a raw socket in confirm mode, pre-encoded publishes written in batches,
+  acks read as a stream by a second thread, at most 20,000 unconfirmed;
+* stock py-amqp ``basic_publish_confirm`` and the drainer's (one thread each);
+* the drainer's ``basic_publish_deferred`` (one thread and ten, drainer mode; one
+  thread, legacy mode);
+* pika's ``SelectConnection``: publishes in its ioloop, streaming confirms, at most
+  5,000 unconfirmed; pika's ``BlockingConnection`` with ``confirm_delivery`` (a round
+  trip per message);
+* aio-pika: ``asyncio.gather`` of 1,000 confirmed publishes, in a loop;
+* amqpstorm ``confirm_deliveries`` (a round trip per message);
+* kombu ``Producer.publish`` with ``confirm_publish``: stock kombu, the drainer's
+  transport, and the drainer's ``confirm_publish="deferred"`` (futures waited at the end).
+
+A client that is not installed shows "not installed". Hard checks only: every confirm
+is an ack. Every wait is bounded (``TIMEOUT``), every connection closed.
 
 Run: ``pytest tests/benchmarks/bench_confirms.py -m benchmark -s``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import importlib.util
 import statistics
 import struct
 import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import amqp
+import kombu
 import pytest
 from amqp import Message, spec
 from amqp.serialization import dumps
@@ -35,6 +51,16 @@ ROUNDS = 1 if QUICK else 2
 WINDOW = 0.5 if QUICK else 4.0  # seconds of publishing per run
 BODY = b"x" * 64
 CEILING_UNCONFIRMED = 20_000
+TIMEOUT = 10.0  # seconds any one connect or wait may take
+PIKA_UNCONFIRMED = 5_000
+PIKA_BATCH = 100  # publishes per ioloop callback
+GATHER = 1_000  # aio-pika publishes per asyncio.gather
+HOST, _, _PORT = BROKER_HOST.partition(":")
+PORT = int(_PORT or 5672)
+STOCK = "stock py-amqp basic_publish_confirm, 1 thread"
+STOCK_KOMBU = "stock kombu Producer.publish confirm_publish, 1 thread"
+#: The module each optional client's rows need.
+OPTIONAL = {"pika": "pika", "aio-pika": "aio_pika", "amqpstorm": "amqpstorm"}
 
 
 def _frames(channel: int, routing_key: str) -> bytes:
@@ -141,6 +167,237 @@ def run_deferred(mode: str, threads: int, queue: str) -> float:
         conn.close()
 
 
+def _pika_parameters() -> Any:
+    """pika's connection parameters: guest, short timeouts, heartbeats to notice a hang."""
+    import pika
+
+    return pika.ConnectionParameters(
+        HOST,
+        PORT,
+        credentials=pika.PlainCredentials("guest", "guest"),
+        heartbeat=5,
+        socket_timeout=TIMEOUT,
+        stack_timeout=TIMEOUT,
+        blocked_connection_timeout=TIMEOUT,
+    )
+
+
+def run_pika_select(queue: str) -> float:
+    """pika's SelectConnection: the ioloop publishes in batches, at most
+    ``PIKA_UNCONFIRMED`` unconfirmed, and counts the streaming acks."""
+    import pika
+    from pika.spec import Basic
+
+    sent = confirmed = nacked = 0  # confirmed: the highest delivery tag settled
+    start = end = 0.0
+    publishing, paused = True, False
+    errors: list[BaseException] = []
+    channel: Any = None
+
+    def on_open(conn: Any) -> None:
+        conn.channel(on_open_callback=on_channel)
+
+    def on_channel(ch: Any) -> None:
+        nonlocal channel
+        channel = ch
+        ch.confirm_delivery(on_confirm, callback=lambda _frame: begin())
+
+    def begin() -> None:
+        nonlocal start
+        start = time.perf_counter()
+        publish()
+
+    def publish() -> None:
+        nonlocal sent, publishing, paused
+        if not channel.is_open:  # closing after an error or the timeout
+            return
+        if time.perf_counter() >= start + WINDOW:
+            publishing = False
+            finish_if_done()
+            return
+        n = min(PIKA_BATCH, PIKA_UNCONFIRMED - (sent - confirmed))
+        if n <= 0:
+            paused = True  # on_confirm resumes
+            return
+        for _ in range(n):
+            channel.basic_publish("", queue, BODY)
+        sent += n
+        conn.ioloop.call_later(0, publish)  # lets the ioloop read acks between batches
+
+    def on_confirm(frame: Any) -> None:
+        # RabbitMQ confirms one queue's publishes in order: multiple=True settles every
+        # tag up to this one.
+        nonlocal confirmed, nacked, paused
+        method = frame.method
+        count = method.delivery_tag - confirmed if method.multiple else 1
+        if isinstance(method, Basic.Nack):
+            nacked += count
+        confirmed = max(confirmed, method.delivery_tag)
+        if paused and sent - confirmed <= PIKA_UNCONFIRMED - PIKA_BATCH:
+            paused = False
+            publish()
+        elif not publishing:
+            finish_if_done()
+
+    def finish_if_done() -> None:
+        nonlocal end
+        if confirmed == sent and not end:
+            end = time.perf_counter()
+            conn.close()
+
+    def on_failed(_conn: Any, error: BaseException) -> None:
+        errors.append(error)
+        conn.ioloop.stop()
+
+    def on_closed(_conn: Any, reason: BaseException) -> None:
+        if not end:
+            errors.append(reason)
+        conn.ioloop.stop()
+
+    def time_out() -> None:
+        errors.append(TimeoutError(f"pika SelectConnection: {sent - confirmed} unconfirmed"))
+        conn.ioloop.stop()
+
+    conn = pika.SelectConnection(
+        _pika_parameters(),
+        on_open_callback=on_open,
+        on_open_error_callback=on_failed,
+        on_close_callback=on_closed,
+    )
+    conn.ioloop.call_later(WINDOW + TIMEOUT, time_out)
+    try:
+        conn.ioloop.start()
+    finally:
+        try:
+            if not conn.is_closed:  # stopped by an error or the timeout: close it now
+                if not conn.is_closing:
+                    conn.close()
+                conn.ioloop.call_later(TIMEOUT, conn.ioloop.stop)
+                conn.ioloop.start()
+        finally:
+            conn.ioloop.close()
+    if errors:
+        raise errors[0]
+    assert nacked == 0, f"pika: {nacked} publishes nacked"
+    return sent / (end - start)
+
+
+def run_pika_blocking(queue: str) -> float:
+    """pika's BlockingConnection in confirm mode: each publish waits for its ack."""
+    import pika
+
+    conn = pika.BlockingConnection(_pika_parameters())
+    try:
+        channel = conn.channel()
+        channel.confirm_delivery()
+        n = 0
+        start = time.perf_counter()
+        deadline = start + WINDOW
+        while time.perf_counter() < deadline:
+            channel.basic_publish("", queue, BODY)  # raises NackError on a nack
+            n += 1
+        return n / (time.perf_counter() - start)
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
+def run_aio_pika(queue: str) -> float:
+    """aio-pika: ``asyncio.gather`` of ``GATHER`` confirmed publishes, in a loop."""
+    import aio_pika
+    from pamqp.commands import Basic
+
+    async def main() -> float:
+        conn = await aio_pika.connect(host=HOST, port=PORT, timeout=TIMEOUT)
+        async with conn:
+            channel = await conn.channel(publisher_confirms=True)
+            exchange = channel.default_exchange
+            n = 0
+            start = time.perf_counter()
+            deadline = start + WINDOW
+            while time.perf_counter() < deadline:
+                confirms = await asyncio.gather(
+                    *(
+                        exchange.publish(
+                            aio_pika.Message(BODY), queue, mandatory=False, timeout=TIMEOUT
+                        )
+                        for _ in range(GATHER)
+                    )
+                )
+                assert all(isinstance(c, Basic.Ack) for c in confirms), "aio-pika: a nack"
+                n += GATHER
+            return n / (time.perf_counter() - start)
+
+    return asyncio.run(asyncio.wait_for(main(), WINDOW + TIMEOUT))
+
+
+def run_amqpstorm(queue: str) -> float:
+    """amqpstorm with ``confirm_deliveries``: each publish waits for its ack."""
+    import amqpstorm
+
+    conn = amqpstorm.Connection(HOST, "guest", "guest", port=PORT, timeout=TIMEOUT)
+    try:
+        channel = conn.channel()
+        channel.confirm_deliveries()
+        n = 0
+        start = time.perf_counter()
+        deadline = start + WINDOW
+        while time.perf_counter() < deadline:
+            if not channel.basic.publish(BODY, routing_key=queue):
+                raise AssertionError("amqpstorm: a publish was nacked")
+            n += 1
+        return n / (time.perf_counter() - start)
+    finally:
+        conn.close()
+
+
+def run_kombu(kind: str, queue: str) -> float:
+    """kombu ``Producer.publish`` with ``confirm_publish``: "stock" (kombu's pyamqp),
+    "drainer", or "deferred" (the drainer's futures, all waited for at the end)."""
+    url = f"amqp://guest:guest@{BROKER_HOST}//"
+    if kind == "stock":
+        conn = kombu.Connection(
+            url, connect_timeout=TIMEOUT, transport_options={"confirm_publish": True}
+        )
+    else:
+        confirm = True if kind == "drainer" else "deferred"
+        options = {"dedicated_drainer": True, "confirm_publish": confirm}
+        conn = kombu.Connection(
+            url,
+            transport="drainer_amqp:Transport",
+            connect_timeout=TIMEOUT,
+            transport_options=options,
+        )
+    try:
+        producer = kombu.Producer(conn.channel())
+        futures: list[concurrent.futures.Future[Any]] = []
+        start = time.perf_counter()
+        deadline = start + WINDOW
+        n = 0
+        while time.perf_counter() < deadline:
+            result = producer.publish(
+                BODY, routing_key=queue, timeout=TIMEOUT, confirm_timeout=TIMEOUT
+            )
+            if kind == "deferred":
+                futures.append(result)
+            n += 1
+        if kind == "deferred":
+            done, pending = concurrent.futures.wait(futures, timeout=TIMEOUT)
+            took = time.perf_counter() - start
+            assert not pending, f"{len(pending)} deferred publishes not settled"
+            assert all(f.result() is True for f in done), "a deferred publish was not acked"
+            return n / took
+        return n / (time.perf_counter() - start)
+    finally:
+        conn.release()
+
+
+def _installed(row: str) -> bool:
+    """Whether the client a row measures can be imported."""
+    client = row.split()[0]
+    return client not in OPTIONAL or importlib.util.find_spec(OPTIONAL[client]) is not None
+
+
 def test_confirmed_publishing(bench_report: Collector) -> None:
     began = time.perf_counter()
     queue = unique_name("drainer-bench-confirms")
@@ -149,39 +406,73 @@ def test_confirmed_publishing(bench_report: Collector) -> None:
     runs: dict[str, list[float]] = {}
     cases: dict[str, Callable[[], float]] = {
         "raw socket, confirm mode (ceiling)": partial(run_ceiling, queue),
-        "stock py-amqp basic_publish_confirm, 1 thread": partial(run_sync, "stock", queue),
+        STOCK: partial(run_sync, "stock", queue),
         "drainer basic_publish_confirm, 1 thread": partial(run_sync, "drainer", queue),
         "drainer basic_publish_deferred, 1 thread": partial(run_deferred, "drainer", 1, queue),
         "drainer basic_publish_deferred, 10 threads": partial(run_deferred, "drainer", 10, queue),
         "legacy basic_publish_deferred, 1 thread": partial(run_deferred, "legacy", 1, queue),
+        "pika SelectConnection, streaming confirms (window 5,000), 1 thread": partial(
+            run_pika_select, queue
+        ),
+        "pika BlockingConnection confirm_delivery, 1 thread": partial(run_pika_blocking, queue),
+        "aio-pika, gather of 1,000 publishes, 1 thread": partial(run_aio_pika, queue),
+        "amqpstorm confirm_deliveries, 1 thread": partial(run_amqpstorm, queue),
+        STOCK_KOMBU: partial(run_kombu, "stock", queue),
+        "drainer kombu Producer.publish confirm_publish, 1 thread": partial(
+            run_kombu, "drainer", queue
+        ),
+        "drainer kombu Producer.publish confirm_publish='deferred', 1 thread": partial(
+            run_kombu, "deferred", queue
+        ),
     }
+    names = [name for name in cases if _installed(name)]
     try:
         for i in range(ROUNDS):
-            order = list(cases) if i % 2 == 0 else list(cases)[::-1]
-            for name in order:
+            for name in names if i % 2 == 0 else names[::-1]:
                 runs.setdefault(name, []).append(cases[name]())
     finally:
         admin.channel().queue_delete(queue)
         admin.close()
     rate = {name: statistics.median(values) for name, values in runs.items()}
     ceiling = rate["raw socket, confirm mode (ceiling)"]
-    stock = rate["stock py-amqp basic_publish_confirm, 1 thread"]
     rows = [
-        [name, f"{value:,.0f}", f"{100 * value / ceiling:.0f}%", fmt_ratio(value / stock)]
-        for name, value in rate.items()
+        [
+            name,
+            f"{rate[name]:,.0f}",
+            f"{100 * rate[name] / ceiling:.0f}%",
+            fmt_ratio(rate[name] / rate[STOCK]),
+            fmt_ratio(rate[name] / rate[STOCK_KOMBU]),
+        ]
+        if name in rate
+        else [name, "not installed", "-", "-", "-"]
+        for name in cases
     ]
     bench_report.add(
         Section(
             key="confirms",
             title="G. Confirmed publishing (64-byte bodies, one connection)",
-            headers=["client", "confirmed msg/s", "of the ceiling", "over stock py-amqp"],
+            headers=[
+                "client",
+                "confirmed msg/s",
+                "of the ceiling",
+                "over stock py-amqp",
+                "over stock kombu",
+            ],
             rows=rows,
             notes=[
                 f"{ROUNDS} interleaved round(s) of {WINDOW:g} s each; the median per row.",
                 "Confirmed msg/s: messages acked over the time from the first publish to "
                 "the last ack. The queue keeps its last 1,000 messages (x-max-length).",
+                "Over stock py-amqp / kombu: this row's rate over the stock py-amqp "
+                "basic_publish_confirm row / the stock kombu Producer.publish row.",
+                "pika, aio-pika, amqpstorm: default exchange, one channel, publisher "
+                "confirms; a client not installed shows 'not installed'.",
             ],
-            raw={"msg_s": rate, "rounds": runs},
+            raw={
+                "msg_s": rate,
+                "rounds": runs,
+                "not_installed": [n for n in cases if n not in rate],
+            },
             seconds=time.perf_counter() - began,
             order=15,
         )
