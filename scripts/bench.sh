@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Create the environment and run the benchmarks (the README's first command): the
-# drainer against legacy mode, and (benchmarks A-E) against stock kombu/py-amqp and
-# amqpstorm in the same run. Full mode by default (about 13 minutes), then a short soak
-# (scripts/soak.sh: four runs of SOAK_SECONDS, default 30 here, about 4 minutes;
-# SOAK_SECONDS=600 for the long soak, about 42 minutes; SOAK_SECONDS=0 skips it);
-# DRAINER_BENCH_QUICK=1 for the short CI variant (no soak).
-# Prints each benchmark's table and writes bench-results/report.md, results.json and
-# the PNG plots. Extra arguments go to pytest (e.g. -k reset_peer).
+# drainer against legacy mode, and against stock kombu/py-amqp, pika, aio-pika and
+# amqpstorm, in the same run. About nine minutes here (2 cores), install included; each
+# benchmark says as it starts how long it usually takes and how long is left.
+# Opt-in, one variable each:
+#   DRAINER_BENCH_CLUSTER=1  benchmarks F (failover) and J (confirms on a quorum queue):
+#                            a three-node cluster of our own, about four minutes more
+#   SOAK_SECONDS=30          then the soak (scripts/soak.sh): four runs of SOAK_SECONDS
+#                            (600: the long soak, about 42 minutes)
+# DRAINER_BENCH_QUICK=1 is the short CI variant. Prints each benchmark's table and writes
+# bench-results/report.md, results.json and the PNG plots. Extra arguments go to pytest
+# (e.g. -k reset_peer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -24,11 +28,15 @@ export DRAINER_BENCH_QUICK="${DRAINER_BENCH_QUICK:-0}"
 if [ "$DRAINER_BENCH_QUICK" != 1 ] && [ -x "${RABBITMQ_BIN:-/usr/lib/rabbitmq/bin}/rabbitmq-server" ]; then
   export DRAINER_BENCH_OWN_BROKER="${DRAINER_BENCH_OWN_BROKER:-1}"
 fi
+skip=()
+if [ "${DRAINER_BENCH_CLUSTER:-0}" != 1 ]; then
+  skip=(--ignore=tests/benchmarks/bench_failover.py --ignore=tests/benchmarks/bench_quorum.py)
+fi
 start=$(date +%s)
 # bench_*.py files are benchmarks too: pytest collects only test_*.py by default.
 .venv/bin/python -m pytest tests/benchmarks -m benchmark -s -p no:cacheprovider \
-    -o python_files='test_*.py bench_*.py' "$@"
+    -o python_files='test_*.py bench_*.py' "${skip[@]}" "$@"
 echo "benchmarks done in $(( $(date +%s) - start )) s; report: bench-results/report.md"
-if [ "$DRAINER_BENCH_QUICK" != 1 ] && [ "${SOAK_SECONDS:-30}" != 0 ]; then
-  SOAK_SECONDS="${SOAK_SECONDS:-30}" bash scripts/soak.sh
+if [ "$DRAINER_BENCH_QUICK" != 1 ] && [ "${SOAK_SECONDS:-0}" != 0 ]; then
+  SOAK_SECONDS="$SOAK_SECONDS" bash scripts/soak.sh
 fi

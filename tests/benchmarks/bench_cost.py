@@ -40,13 +40,13 @@ from benchmarks.report import Collector, Section
 
 pytestmark = pytest.mark.benchmark
 
-TOTAL = 4_000 if QUICK else 30_000  # messages per run, split between the threads
+TOTAL = 2_000 if QUICK else 20_000  # messages per run, split between the threads
 THREADS = (1, 16, 100)
 CLIENTS = ("drainer", "legacy", "stock+lock", "amqpstorm")
 BODY = b"x" * 64
 JOIN = 120.0
 #: Seconds a run may publish (legacy mode beside a consumer's one-second reads is slow).
-CAP = 3.0 if QUICK else 10.0
+CAP = 1.0 if QUICK else 3.0
 
 
 @dataclass

@@ -51,7 +51,7 @@ from benchmarks.report import Collector, Section, Target, fmt_ms, fmt_ratio, per
 
 # Seconds of load per mode and round. Quick: long enough for legacy mode, whose publishes
 # wait for the idle consumer's 1-s reads (as stock py-amqp's), to finish a few requests.
-DURATION = 4 if QUICK else 12
+DURATION = 4 if QUICK else 8
 ROUNDS = int(os.environ.get("DRAINER_BENCH_GUNICORN_ROUNDS", "1"))
 CONCURRENCY = 20
 WORKERS, THREADS = 1, 16

@@ -54,7 +54,7 @@ from benchmarks.report import (
 pytestmark = pytest.mark.benchmark
 
 THREADS = (10, 100)
-ROUNDS = 1 if QUICK else 3
+ROUNDS = 1 if QUICK else 2
 WINDOW = 0.6 if QUICK else 2.5  # seconds of publishing per run
 BODY = b"x" * 64
 BATCH = 64  # messages per sendall in the ceiling

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,3 +100,60 @@ def toxiproxy_url() -> Iterator[str]:
             child.kill()
             child.wait(10)
         child.stdout.close()
+
+
+# -- progress: what runs now, how long it usually takes, how long is left -------------------
+#: Usual seconds of each benchmark in full mode on the project's 2-core machine (quick mode:
+#: about a fifth), by file and test name; an unknown one counts 30 s.
+USUAL = {
+    "bench_clients.py::test_client_throughput": 80,
+    "bench_clients.py::test_close_while_publishing": 36,
+    "bench_clients.py::test_one_thread_call_cost": 34,
+    "bench_clients.py::test_link_failure_loss": 8,
+    "bench_confirms.py::test_confirmed_publishing": 55,
+    "bench_cost.py::test_cost_per_message": 45,
+    "bench_failover.py::test_failover_time": 146,
+    "bench_gunicorn.py::test_gunicorn_gthread_against_other_clients": 45,
+    "bench_quorum.py::test_quorum_confirms": 70,
+    "bench_recovery_latency.py::test_error_propagation_reset_peer": 3,
+    "bench_resources.py::test_idle_connections": 11,
+    "bench_resources.py::test_undrained_deliveries": 25,
+    "bench_rtt.py::test_one_millisecond_away": 70,
+    "bench_throughput.py::test_publish_throughput": 50,
+    "test_drainer_benchmarks.py::test_publish_latency_beside_stuck_consumer": 31,
+    "test_drainer_fragmentation.py::test_fragmented_large_message": 18,
+    "test_drainer_shutdown.py::test_close_with_busy_threads": 10,
+    "test_heartbeat_publish_only.py::test_publish_only_connection_survives_idle": 15,
+}
+_progress: dict[str, float] = {}  # the usual seconds of each benchmark not started yet
+_started: dict[str, tuple[float, float]] = {}  # the running one: its start, its usual time
+
+
+def _usual(nodeid: str) -> float:
+    name = nodeid.rpartition("/")[2].partition("[")[0]
+    return USUAL.get(name, 30) / (5 if QUICK else 1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _progress.clear()
+    _progress.update({item.nodeid: _usual(item.nodeid) for item in items})
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    usual = _progress.pop(nodeid, _usual(nodeid))
+    left = usual + sum(_progress.values())
+    _started[nodeid] = (time.monotonic(), usual)
+    print(
+        f"\n== {nodeid.rpartition('/')[2]}: usually {usual:.0f} s; about {left / 60:.1f} min "
+        "of benchmarks left",
+        flush=True,
+    )
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    began, usual = _started.pop(nodeid, (time.monotonic(), 0.0))
+    took = time.monotonic() - began
+    if usual and took > 2 * usual + 10:
+        print(
+            f"== {nodeid.rpartition('/')[2]} took {took:.0f} s, usually {usual:.0f} s", flush=True
+        )
