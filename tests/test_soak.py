@@ -7,7 +7,7 @@ caller saw is one kombu retries. The figures (stuck times, RSS slope, ...) are p
 
 The seed is random unless ``SOAK_SEED`` is set; every failure message starts with the
 run's summary line, which names it. Replay a failure with
-``PYTHONPATH=src:tests python -m soak --seconds 60 --runs A/drainer --seed S``.
+``PYTHONPATH=src:tests python -m soak --seconds 30 --runs A/drainer --seed S``.
 
 What the soak found earlier has its reproducers beside the code it concerns
 (``test_connection.py``, ``test_reconnect.py``, ``test_stock_semantics.py``).

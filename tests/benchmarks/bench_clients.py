@@ -68,11 +68,11 @@ pytestmark = pytest.mark.benchmark
 
 THREADS = (10, 100)
 ROUNDS = 1 if QUICK else 2
-WINDOW = 0.3 if QUICK else 3.0  # seconds of publishing per run
+WINDOW = 0.3 if QUICK else 2.0  # seconds of publishing per run
 BODY = b"x" * 64
 STALL_AFTER = 20.0  # seconds after the window: a thread still blocked then has stalled
 CLOSE_THREADS = 10
-CLOSE_ROUNDS = 1 if QUICK else 3
+CLOSE_ROUNDS = 1 if QUICK else 2
 CLOSE_AFTER = 0.2 if QUICK else 0.5  # seconds of publishing before close()
 DEADLOCK_AFTER = 30.0  # close(), then the publishers ending: generous bounds
 QUIET = 2.0  # seconds without a delivery: what is missing from the queue stays missing

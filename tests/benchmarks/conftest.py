@@ -106,24 +106,24 @@ def toxiproxy_url() -> Iterator[str]:
 #: Usual seconds of each benchmark in full mode on the project's 2-core machine (quick mode:
 #: about a fifth), by file and test name; an unknown one counts 30 s.
 USUAL = {
-    "bench_clients.py::test_client_throughput": 80,
-    "bench_clients.py::test_close_while_publishing": 36,
-    "bench_clients.py::test_one_thread_call_cost": 34,
-    "bench_clients.py::test_link_failure_loss": 8,
+    "bench_clients.py::test_client_throughput": 100,
+    "bench_clients.py::test_close_while_publishing": 25,
+    "bench_clients.py::test_one_thread_call_cost": 30,
+    "bench_clients.py::test_link_failure_loss": 7,
     "bench_confirms.py::test_confirmed_publishing": 55,
-    "bench_cost.py::test_cost_per_message": 45,
+    "bench_cost.py::test_cost_per_message": 57,
     "bench_failover.py::test_failover_time": 146,
-    "bench_gunicorn.py::test_gunicorn_gthread_against_other_clients": 45,
+    "bench_gunicorn.py::test_gunicorn_gthread_against_other_clients": 44,
     "bench_quorum.py::test_quorum_confirms": 70,
     "bench_recovery_latency.py::test_error_propagation_reset_peer": 3,
-    "bench_resources.py::test_idle_connections": 11,
-    "bench_resources.py::test_undrained_deliveries": 25,
-    "bench_rtt.py::test_one_millisecond_away": 70,
-    "bench_throughput.py::test_publish_throughput": 50,
-    "test_drainer_benchmarks.py::test_publish_latency_beside_stuck_consumer": 31,
+    "bench_resources.py::test_idle_connections": 6,
+    "bench_resources.py::test_undrained_deliveries": 26,
+    "bench_rtt.py::test_one_millisecond_away": 64,
+    "bench_throughput.py::test_publish_throughput": 48,
+    "test_drainer_benchmarks.py::test_publish_latency_beside_stuck_consumer": 32,
     "test_drainer_fragmentation.py::test_fragmented_large_message": 18,
     "test_drainer_shutdown.py::test_close_with_busy_threads": 10,
-    "test_heartbeat_publish_only.py::test_publish_only_connection_survives_idle": 15,
+    "test_heartbeat_publish_only.py::test_publish_only_connection_survives_idle": 12,
 }
 _progress: dict[str, float] = {}  # the usual seconds of each benchmark not started yet
 _started: dict[str, tuple[float, float]] = {}  # the running one: its start, its usual time
