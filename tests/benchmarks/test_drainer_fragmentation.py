@@ -27,7 +27,7 @@ from support.broker import BROKER_HOST, unique_name, wait_until
 from support.threads import Drain
 from support.toxiproxy.fixtures import ProxiedBroker
 
-from benchmarks import QUICK, blocked_in, connect, interleaved
+from benchmarks import blocked_in, connect, interleaved
 from benchmarks.report import Collector, Section, Target
 
 pytestmark = pytest.mark.benchmark
