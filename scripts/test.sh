@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 logs=$PWD/.test-logs
 rm -rf "$logs" && mkdir -p "$logs"
 begun=$(date +%s)
-left=610 # seconds the steps below usually take in all; each one subtracts its own
+left=575 # seconds the steps below usually take in all; each one subtracts its own
 failed=()
 
 # step NAME USUAL LOG COMMAND...: run COMMAND, its output to LOG; say when it overruns.
@@ -84,16 +84,16 @@ beside_the_suite() {
   return "$status"
 }
 
-step "install (.venv, the project and its test extras)" 60 install install
+step "install (.venv, the project and its test extras)" 40 install install
 [ ${#failed[@]} = 0 ] || exit 1
-step "ruff, mypy, the docs build, the package check" 45 checks checks
+step "ruff, mypy, the docs build, the package check" 25 checks checks
 
 # The suite in the foreground; the matrix and the peer suites beside it.
 echo "== beside the suite: the version matrix, then the peer suites (log: $logs/beside.log)"
 beside_start=$(date +%s)
 beside_the_suite >"$logs/beside.log" 2>&1 &
 beside=$!
-step "the test suite (the matrix and the peer suites run beside it)" 400 suite \
+step "the test suite (the matrix and the peer suites run beside it)" 430 suite \
   .venv/bin/python -m pytest -q --durations=25 "$@"
 if kill -0 "$beside" 2>/dev/null; then
   echo "== waiting for the version matrix and the peer suites"
@@ -101,16 +101,19 @@ fi
 wait "$beside"
 report "the version matrix and the peer suites" $? "$logs/beside.log" "$beside_start"
 
-# Not here, each measuring only what the suite already bounds: F (failover) and J
+# Not here, each checking only what the suite already bounds: F (failover) and J
 # (quorum confirms) start a cluster of their own (tests/test_cluster.py runs the failover
 # scenario with its bounds); H (cost per publish) checks only that publishers end
-# (test_promises: every thread progresses); I (1 ms away) checks deferred confirms
-# through the proxy (test_confirms: the reset link). bash scripts/bench.sh runs them all.
-step "the benchmarks, quick mode (hard bounds only)" 110 benchmarks \
-  env DRAINER_BENCH_QUICK=1 .venv/bin/python -m pytest -q tests/benchmarks -m benchmark \
-  -o python_files='test_*.py bench_*.py' --ignore=tests/benchmarks/bench_failover.py \
-  --ignore=tests/benchmarks/bench_quorum.py --ignore=tests/benchmarks/bench_cost.py \
-  --ignore=tests/benchmarks/bench_rtt.py
+# (test_promises: every thread progresses); I (1 ms away) and G (confirmed publishing)
+# check that deferred confirms are acked (test_confirms, through the proxy too); C
+# (gunicorn) that every request is answered (test_gunicorn). bash scripts/bench.sh runs
+# them all.
+step "the benchmarks, quick mode (hard bounds only)" 80 benchmarks \
+  env DRAINER_BENCH_QUICK=1 .venv/bin/python -m pytest -q --durations=5 tests/benchmarks \
+  -m benchmark -o python_files='test_*.py bench_*.py' \
+  --ignore=tests/benchmarks/bench_failover.py --ignore=tests/benchmarks/bench_quorum.py \
+  --ignore=tests/benchmarks/bench_cost.py --ignore=tests/benchmarks/bench_rtt.py \
+  --ignore=tests/benchmarks/bench_confirms.py --ignore=tests/benchmarks/bench_gunicorn.py
 
 echo "== done in $(($(date +%s) - begun)) s; logs in $logs/"
 if [ ${#failed[@]} != 0 ]; then

@@ -333,7 +333,7 @@ def test_outstanding_confirms_never_exceed_max_unconfirmed(mode: str, queue: str
 
 
 #: How long the never-stopping publisher runs (the issue's full length: 60).
-BOUND_SECONDS = float(os.environ.get("DRAINER_BOUND_SECONDS", "8"))
+BOUND_SECONDS = float(os.environ.get("DRAINER_BOUND_SECONDS", "5"))
 
 
 def _rss_mb() -> float:
