@@ -330,3 +330,25 @@ def test_a_late_drop_of_a_tag_from_before_a_reopen_leaves_the_new_publish_of_tha
     confirms.drop(1, old)
     confirms.settle(spec.Basic.Ack, 1, False)
     assert new.value is not None, "the new publish's ack was lost"
+
+
+def test_a_return_fails_its_own_publish_even_when_other_acks_come_before_its_ack() -> None:
+    """RabbitMQ sends a Return before its message's ack, but acks of earlier messages may
+    come between (a queue confirmed them later): the Return names no delivery tag, so it
+    is matched by what it carries to the oldest such mandatory publish still waiting."""
+    confirms = Confirms(Waiters())
+    waiters = [Waiter() for _ in range(7)]
+    for waiter in waiters[:5]:
+        confirms.number(waiter)
+    confirms.number(waiters[5], ("", "nowhere", b"m"))  # tag 6: mandatory, unroutable
+    confirms.number(waiters[6], ("", "nowhere", b"m"))  # tag 7: the same, still waiting
+    error = RuntimeError("312 NO_ROUTE")
+    assert confirms.fail_returned(("", "nowhere", b"m"), error)  # the Return of tag 6
+    confirms.settle(spec.Basic.Ack, 5, True)  # the acks of 1-5 come next
+    confirms.settle(spec.Basic.Ack, 6, False)  # then tag 6's own ack: nothing left to do
+    assert [w.error for w in waiters[:5]] == [None] * 5 and all(w.done for w in waiters[:5])
+    assert waiters[5].error is error
+    assert not waiters[6].done  # the next Return like it is tag 7's
+    assert not confirms.fail_returned(("", "elsewhere", b"m"), error)
+    assert confirms.fail_returned(("", "nowhere", b"m"), error)
+    assert waiters[6].error is error

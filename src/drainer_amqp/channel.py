@@ -48,6 +48,34 @@ _EVENTS = {_ACK: "basic_ack", _NACK: "basic_nack"}
 _ALWAYS_WRITTEN = frozenset((spec.Channel.Open, spec.Channel.Close, spec.Channel.CloseOk))
 
 
+def _body_bytes(message: Any) -> bytes:
+    body = getattr(message, "body", b"")
+    if isinstance(body, str):
+        return body.encode(getattr(message, "content_encoding", None) or "utf-8")
+    return bytes(body)
+
+
+def _returnable(exchange: str, routing_key: str, message: Any) -> tuple[str, str, bytes]:
+    """What a Basic.Return of this mandatory publish would carry."""
+    return exchange, routing_key, _body_bytes(message)
+
+
+def _returned_key(payload: bytes, content: Any) -> tuple[str, str, bytes]:
+    """The exchange, routing key and body of a Basic.Return (after its reply code and
+    text)."""
+    at = 7 + payload[6]
+    exchange = payload[at + 1 : at + 1 + payload[at]].decode()
+    at += 1 + payload[at]
+    routing_key = payload[at + 1 : at + 1 + payload[at]].decode()
+    return exchange, routing_key, _body_bytes(content)
+
+
+def _return_error(payload: bytes) -> BaseException:
+    reply_code = unpack_from(">H", payload, 4)[0]
+    reply_text = payload[7 : 7 + payload[6]].decode(errors="replace")
+    return error_for_code(reply_code, reply_text, spec.Basic.Return, ChannelError)
+
+
 def _closed_unconfirmed() -> BaseException:
     return RecoverableConnectionError("the channel was closed before the broker confirmed")
 
@@ -361,6 +389,10 @@ class Channel(pyamqp.Channel):
                 return
         elif method_sig == spec.Basic.Return and self._confirm_mode:
             if not self.events.get("basic_return"):
+                if self.confirms.fail_returned(
+                    _returned_key(payload, content), _return_error(payload)
+                ):
+                    return
                 self._returned = (payload, content)  # its ack comes next: see _settle_returned
                 return
         elif method_sig not in _QUEUED:
@@ -401,9 +433,7 @@ class Channel(pyamqp.Channel):
         With nobody waiting for that ack, the Return goes to ``drain_events()``."""
         payload, content = self._returned or (b"", None)
         self._returned = None
-        reply_code = unpack_from(">H", payload, 4)[0]
-        reply_text = payload[7 : 7 + payload[6]].decode(errors="replace")
-        error = error_for_code(reply_code, reply_text, spec.Basic.Return, ChannelError)
+        error = _return_error(payload)
         if method_sig != _ACK or not self.confirms.fail(delivery_tag, error):
             key = (self.channel_id, None)
             conn.inbox.post(key, super().dispatch_method, spec.Basic.Return, payload, content)
@@ -516,6 +546,7 @@ class Channel(pyamqp.Channel):
             self._raise_channel_error(conn, error)
         conn.wait_unblocked(timeout)
         tag = 0
+        returnable = _returnable(exchange, routing_key, msg) if mandatory else None
 
         def take() -> None:  # as it is taken for writing: the tag is the broker's count
             nonlocal tag
@@ -524,7 +555,7 @@ class Channel(pyamqp.Channel):
                 with self._close_lock:  # against _on_close failing every confirm
                     error = self._close_error
                     if error is None:
-                        tag = self.confirms.number(waiter)
+                        tag = self.confirms.number(waiter, returnable)
             elif error is None and waiter is not None:  # reopened since: no confirms
                 error = self._last_close_error
             if error is not None:

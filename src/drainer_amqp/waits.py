@@ -84,9 +84,13 @@ class Confirms:
 
     def __init__(self, waiters: Waiters) -> None:
         self._waiters = waiters
-        self._lock = threading.Lock()  # guards _tag and _waiting
+        self._lock = threading.Lock()  # guards _tag, _waiting and _returnable
         self._tag = 0
         self._waiting: dict[int, Waiter] = {}  # insertion order is tag order
+        # Mandatory publishes not settled yet, by tag: what a Basic.Return of each would
+        # carry (a Return names no delivery tag, and acks of other tags may come between
+        # a Return and its message's ack).
+        self._returnable: dict[int, Hashable] = {}
         waiters.track(self)
 
     def reset(self) -> None:
@@ -94,17 +98,37 @@ class Confirms:
         with self._lock:
             self._tag = 0
             waiting, self._waiting = self._waiting, {}
+            self._returnable = {}
         for waiter in waiting.values():
             self._waiters.discard(waiter)
             waiter.fail()
 
-    def number(self, waiter: Waiter | None) -> int:
-        """Give the next publish its delivery tag; ``waiter`` (if any) waits for its ack."""
+    def number(self, waiter: Waiter | None, returnable: Hashable = None) -> int:
+        """Give the next publish its delivery tag; ``waiter`` (if any) waits for its ack;
+        ``returnable``: the publish is mandatory, and a Return carrying that comes back
+        for it (see :meth:`fail_returned`)."""
         with self._lock:
             self._tag += 1
             if waiter is not None:
                 self._waiting[self._tag] = waiter
+                if returnable is not None:
+                    self._returnable[self._tag] = returnable
             return self._tag
+
+    def fail_returned(self, returnable: Hashable, error: BaseException) -> bool:
+        """A Basic.Return of a message like ``returnable``: the oldest such publish still
+        waiting fails with ``error`` (RabbitMQ returns a channel's messages in publish
+        order, each before its ack). False if none waits for it."""
+        with self._lock:
+            tag = next((t for t, r in self._returnable.items() if r == returnable), None)
+            if tag is None:
+                return False
+            del self._returnable[tag]
+            waiter = self._waiting.pop(tag, None)
+        if waiter is None:
+            return False
+        waiter.fail(error)
+        return True
 
     def drop(self, tag: int, waiter: Waiter | None) -> None:
         """``waiter`` no longer wants the ack of ``tag`` (its publish failed, timed out, or
@@ -138,6 +162,10 @@ class Confirms:
                     if delivery_tag and tag > delivery_tag:
                         break
                     settled.append(self._waiting.pop(tag))
+            if self._returnable:
+                for tag in [t for t in self._returnable if t <= delivery_tag or not delivery_tag]:
+                    if multiple or tag == delivery_tag:
+                        del self._returnable[tag]
         for waiter in settled:
             waiter(method_sig)
 
