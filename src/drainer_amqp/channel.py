@@ -546,7 +546,10 @@ class Channel(pyamqp.Channel):
             self._raise_channel_error(conn, error)
         conn.wait_unblocked(timeout)
         tag = 0
-        returnable = _returnable(exchange, routing_key, msg) if mandatory else None
+        # Only a publish that waits for its confirm can be failed by a Return.
+        returnable = (
+            _returnable(exchange, routing_key, msg) if mandatory and waiter is not None else None
+        )
 
         def take() -> None:  # as it is taken for writing: the tag is the broker's count
             nonlocal tag

@@ -429,11 +429,13 @@ class Writer:
                     sent = 0
                 finally:
                     sock.settimeout(previous)
-        except BaseException as exc:
+        except BaseException as exc:  # as _write: the stream may end mid-frame
             self._flushing, self._unsent = None, memoryview(b"")
-            error = self._on_error(exc) if isinstance(exc, OSError) else exc
+            error = self._on_error(exc)
             self._failed(mine, exc)
-            raise error from exc
+            if isinstance(exc, OSError):
+                raise error from exc
+            raise
         self._unsent = self._unsent[sent:]
         return not self._unsent
 
