@@ -55,12 +55,16 @@ TIMEOUT = 10.0  # seconds any one connect or wait may take
 PIKA_UNCONFIRMED = 5_000
 PIKA_BATCH = 100  # publishes per ioloop callback
 GATHER = 1_000  # aio-pika publishes per asyncio.gather
-HOST, _, _PORT = BROKER_HOST.partition(":")
-PORT = int(_PORT or 5672)
 STOCK = "stock py-amqp basic_publish_confirm, 1 thread"
 STOCK_KOMBU = "stock kombu Producer.publish confirm_publish, 1 thread"
 #: The module each optional client's rows need.
 OPTIONAL = {"pika": "pika", "aio-pika": "aio_pika", "amqpstorm": "amqpstorm"}
+
+
+def _split(host: str) -> tuple[str, int]:
+    """``"host:port"`` as ``(host, port)``."""
+    name, _, port = host.partition(":")
+    return name, int(port or 5672)
 
 
 def _frames(channel: int, routing_key: str) -> bytes:
@@ -74,8 +78,8 @@ def _frames(channel: int, routing_key: str) -> bytes:
     return frame(1, method) + frame(2, header) + frame(3, BODY)
 
 
-def run_ceiling(queue: str) -> float:
-    conn = amqp.Connection(host=BROKER_HOST)
+def run_ceiling(queue: str, host: str = BROKER_HOST, window: float = WINDOW) -> float:
+    conn = amqp.Connection(host=host, connect_timeout=TIMEOUT)
     conn.connect()
     try:
         channel = conn.channel()
@@ -105,7 +109,7 @@ def run_ceiling(queue: str) -> float:
         reader.start()
         batch = one * 100
         start = time.perf_counter()
-        deadline = start + WINDOW
+        deadline = start + window
         while time.perf_counter() < deadline:
             while sent - acked[0] > CEILING_UNCONFIRMED:
                 time.sleep(0.0001)
@@ -121,18 +125,18 @@ def run_ceiling(queue: str) -> float:
         conn.collect()
 
 
-def run_sync(kind: str, queue: str) -> float:
+def run_sync(kind: str, queue: str, host: str = BROKER_HOST, window: float = WINDOW) -> float:
     """One thread, a round trip per message: stock py-amqp or the drainer's."""
     if kind == "stock":
-        conn = amqp.Connection(host=BROKER_HOST, confirm_publish=True)
+        conn = amqp.Connection(host=host, confirm_publish=True, connect_timeout=TIMEOUT)
         conn.connect()
     else:
-        conn = connect("drainer")
+        conn = connect("drainer", host=host, connect_timeout=TIMEOUT)
     try:
         channel = conn.channel()
         n = 0
         start = time.perf_counter()
-        deadline = start + WINDOW
+        deadline = start + window
         while time.perf_counter() < deadline:
             channel.basic_publish_confirm(Message(BODY), routing_key=queue)
             n += 1
@@ -141,13 +145,15 @@ def run_sync(kind: str, queue: str) -> float:
         conn.close()
 
 
-def run_deferred(mode: str, threads: int, queue: str) -> float:
-    conn = connect(mode)
+def run_deferred(
+    mode: str, threads: int, queue: str, host: str = BROKER_HOST, window: float = WINDOW
+) -> float:
+    conn = connect(mode, host=host, connect_timeout=TIMEOUT)
     try:
         channels = [conn.channel() for _ in range(threads)]
         futures: list[list[object]] = [[] for _ in range(threads)]
         start = time.perf_counter()
-        deadline = start + WINDOW
+        deadline = start + window
 
         def publish(t: int) -> None:
             channel, mine = channels[t], futures[t]
@@ -167,13 +173,14 @@ def run_deferred(mode: str, threads: int, queue: str) -> float:
         conn.close()
 
 
-def _pika_parameters() -> Any:
+def _pika_parameters(host: str) -> Any:
     """pika's connection parameters: guest, short timeouts, heartbeats to notice a hang."""
     import pika
 
+    name, port = _split(host)
     return pika.ConnectionParameters(
-        HOST,
-        PORT,
+        name,
+        port,
         credentials=pika.PlainCredentials("guest", "guest"),
         heartbeat=5,
         socket_timeout=TIMEOUT,
@@ -182,7 +189,7 @@ def _pika_parameters() -> Any:
     )
 
 
-def run_pika_select(queue: str) -> float:
+def run_pika_select(queue: str, host: str = BROKER_HOST, window: float = WINDOW) -> float:
     """pika's SelectConnection: the ioloop publishes in batches, at most
     ``PIKA_UNCONFIRMED`` unconfirmed, and counts the streaming acks."""
     import pika
@@ -211,7 +218,7 @@ def run_pika_select(queue: str) -> float:
         nonlocal sent, publishing, paused
         if not channel.is_open:  # closing after an error or the timeout
             return
-        if time.perf_counter() >= start + WINDOW:
+        if time.perf_counter() >= start + window:
             publishing = False
             finish_if_done()
             return
@@ -259,12 +266,12 @@ def run_pika_select(queue: str) -> float:
         conn.ioloop.stop()
 
     conn = pika.SelectConnection(
-        _pika_parameters(),
+        _pika_parameters(host),
         on_open_callback=on_open,
         on_open_error_callback=on_failed,
         on_close_callback=on_closed,
     )
-    conn.ioloop.call_later(WINDOW + TIMEOUT, time_out)
+    conn.ioloop.call_later(window + TIMEOUT, time_out)
     try:
         conn.ioloop.start()
     finally:
@@ -282,17 +289,17 @@ def run_pika_select(queue: str) -> float:
     return sent / (end - start)
 
 
-def run_pika_blocking(queue: str) -> float:
+def run_pika_blocking(queue: str, host: str = BROKER_HOST, window: float = WINDOW) -> float:
     """pika's BlockingConnection in confirm mode: each publish waits for its ack."""
     import pika
 
-    conn = pika.BlockingConnection(_pika_parameters())
+    conn = pika.BlockingConnection(_pika_parameters(host))
     try:
         channel = conn.channel()
         channel.confirm_delivery()
         n = 0
         start = time.perf_counter()
-        deadline = start + WINDOW
+        deadline = start + window
         while time.perf_counter() < deadline:
             channel.basic_publish("", queue, BODY)  # raises NackError on a nack
             n += 1
@@ -302,19 +309,20 @@ def run_pika_blocking(queue: str) -> float:
             conn.close()
 
 
-def run_aio_pika(queue: str) -> float:
+def run_aio_pika(queue: str, host: str = BROKER_HOST, window: float = WINDOW) -> float:
     """aio-pika: ``asyncio.gather`` of ``GATHER`` confirmed publishes, in a loop."""
     import aio_pika
     from pamqp.commands import Basic
 
     async def main() -> float:
-        conn = await aio_pika.connect(host=HOST, port=PORT, timeout=TIMEOUT)
+        name, port = _split(host)
+        conn = await aio_pika.connect(host=name, port=port, timeout=TIMEOUT)
         async with conn:
             channel = await conn.channel(publisher_confirms=True)
             exchange = channel.default_exchange
             n = 0
             start = time.perf_counter()
-            deadline = start + WINDOW
+            deadline = start + window
             while time.perf_counter() < deadline:
                 confirms = await asyncio.gather(
                     *(
@@ -328,20 +336,21 @@ def run_aio_pika(queue: str) -> float:
                 n += GATHER
             return n / (time.perf_counter() - start)
 
-    return asyncio.run(asyncio.wait_for(main(), WINDOW + TIMEOUT))
+    return asyncio.run(asyncio.wait_for(main(), window + TIMEOUT))
 
 
-def run_amqpstorm(queue: str) -> float:
+def run_amqpstorm(queue: str, host: str = BROKER_HOST, window: float = WINDOW) -> float:
     """amqpstorm with ``confirm_deliveries``: each publish waits for its ack."""
     import amqpstorm
 
-    conn = amqpstorm.Connection(HOST, "guest", "guest", port=PORT, timeout=TIMEOUT)
+    name, port = _split(host)
+    conn = amqpstorm.Connection(name, "guest", "guest", port=port, timeout=TIMEOUT)
     try:
         channel = conn.channel()
         channel.confirm_deliveries()
         n = 0
         start = time.perf_counter()
-        deadline = start + WINDOW
+        deadline = start + window
         while time.perf_counter() < deadline:
             if not channel.basic.publish(BODY, routing_key=queue):
                 raise AssertionError("amqpstorm: a publish was nacked")
@@ -351,10 +360,10 @@ def run_amqpstorm(queue: str) -> float:
         conn.close()
 
 
-def run_kombu(kind: str, queue: str) -> float:
+def run_kombu(kind: str, queue: str, host: str = BROKER_HOST, window: float = WINDOW) -> float:
     """kombu ``Producer.publish`` with ``confirm_publish``: "stock" (kombu's pyamqp),
     "drainer", or "deferred" (the drainer's futures, all waited for at the end)."""
-    url = f"amqp://guest:guest@{BROKER_HOST}//"
+    url = f"amqp://guest:guest@{host}//"
     if kind == "stock":
         conn = kombu.Connection(
             url, connect_timeout=TIMEOUT, transport_options={"confirm_publish": True}
@@ -372,7 +381,7 @@ def run_kombu(kind: str, queue: str) -> float:
         producer = kombu.Producer(conn.channel())
         futures: list[concurrent.futures.Future[Any]] = []
         start = time.perf_counter()
-        deadline = start + WINDOW
+        deadline = start + window
         n = 0
         while time.perf_counter() < deadline:
             result = producer.publish(

@@ -1,14 +1,15 @@
 """Benchmarks D and E: what connections cost in one process.
 
-D. Idle connections: open ``IDLE`` connections (1,000; quick mode 50) in this process,
+D. Idle connections: open ``IDLE`` connections (200; quick mode 50; 1,000 with
+``DRAINER_BENCH_OWN_BROKER=1``) in this process,
 drainer mode and stock py-amqp in turn, measure threads, file descriptors and RSS
 (psutil), close them all and check that nothing leaked (threads and descriptors back to
 where they were). The broker's socket limit (``rabbitmqctl status``) is shared with
 everyone: the count is capped to leave ``BROKER_HEADROOM`` sockets free, and the report
 says so when it is. The default broker allows about 830 sockets; with
-``DRAINER_BENCH_OWN_BROKER=1`` the connections go to a node of our own instead
-(:class:`support.rabbit_nodes.RabbitNode`, open-file limit ``OWN_BROKER_NOFILE``), so
-all 1,000 are measured. The soft ``RLIMIT_NOFILE`` is raised in-process when needed and
+``DRAINER_BENCH_OWN_BROKER=1`` (opt-in: about 11 s more) 1,000 connections go to a node
+of our own instead (:class:`support.rabbit_nodes.RabbitNode`, open-file limit
+``OWN_BROKER_NOFILE``). The soft ``RLIMIT_NOFILE`` is raised in-process when needed and
 restored afterwards.
 
 E. Deliveries nobody drains: in a child process (so RSS is its own), a consumer with no
@@ -46,7 +47,6 @@ from benchmarks.report import REPO_ROOT, Collector, Section, fmt_ratio, ratio
 
 pytestmark = pytest.mark.benchmark
 
-IDLE = 50 if QUICK else 1000
 BROKER_HEADROOM = 150  # broker sockets left for everyone else
 FDS_PER_CONNECTION = 8  # generous: the drainer mode uses 4 (socket, wake-up pair, poller)
 UNDRAINED = 10_000 if QUICK else 100_000
@@ -55,6 +55,7 @@ IDLE_MODES = ("drainer", "stock py-amqp")
 #: ``DRAINER_BENCH_OWN_BROKER=1``: benchmark D against a node of our own (see above).
 OWN_BROKER = os.environ.get("DRAINER_BENCH_OWN_BROKER", "") not in ("", "0")
 OWN_BROKER_NOFILE = 8192  # the node's ``ulimit -n``: about 7,300 sockets
+IDLE = 1000 if OWN_BROKER else 50 if QUICK else 200
 UNDRAINED_MODES = ("drainer", "legacy", "stock py-amqp")
 
 

@@ -18,17 +18,20 @@ byte); the notes give the round trip measured on each network (stock py-amqp
 
 Rows, 64-byte bodies, the default exchange:
 
-1. publish, no confirms, ``THREADS`` threads: drainer, stock+lock and amqpstorm from
-   :func:`benchmarks.clients.open_client` (its connection host pointed at the network
-   for the duration of the call), routing key bound to no queue. Each thread publishes
-   once (warm-up), then for ``WINDOW`` s, then makes one round trip on its channel;
-   msg/s = publishes in the window / (start -> the last thread's round trip returned).
-2. sync confirms, 1 thread: ``basic_publish_confirm`` in a loop for ``WINDOW`` s, the
-   drainer's and stock py-amqp's (as benchmark G), to a queue with x-max-length 1,000.
-3. deferred confirms, 1 thread: the drainer's ``basic_publish_deferred`` for ``WINDOW``
-   s, then ``wait_for_confirms``; msg/s = publishes / (start -> all acked). pika's
-   SelectConnection (benchmark G) is not measured here: ``run_pika_select`` takes no
-   host or port.
+1. publish, no confirms, ``THREADS`` threads: every client of
+   :func:`benchmarks.clients.open_client` (drainer, legacy, stock+lock, stock per thread,
+   amqpstorm; its connection host pointed at the network for the duration of the call),
+   routing key bound to no queue. Each thread publishes once (warm-up), then for
+   ``WINDOW`` s, then makes one round trip on its channel; msg/s = publishes in the
+   window / (start -> the last thread's round trip returned).
+2. sync confirms, 1 thread: benchmark G's runs (``bench_confirms``) for ``WINDOW`` s: the
+   drainer's and stock py-amqp's ``basic_publish_confirm``, the drainer's and stock
+   kombu's ``Producer.publish`` with ``confirm_publish``, pika's BlockingConnection and
+   amqpstorm, to a queue with x-max-length 1,000.
+3. streaming confirms, 1 thread, as in benchmark G: the raw-socket ceiling, the drainer's
+   ``basic_publish_deferred`` and kombu ``confirm_publish="deferred"`` (every future
+   waited for), pika's SelectConnection (window 5,000) and aio-pika (gathers of 1,000);
+   msg/s = publishes / (start -> all acked).
 4. publish beside a stuck consumer, P99 ms: drainer and legacy. A consumer thread loops
    ``drain_events(timeout=1)`` on an exclusive queue that receives nothing while the
    benchmark's thread publishes (no confirms, routing key bound to no queue) and sleeps
@@ -46,6 +49,7 @@ Run: ``pytest tests/benchmarks/bench_rtt.py -m benchmark -s -o python_files='ben
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import threading
 import time
@@ -60,14 +64,14 @@ from support.broker import BROKER_HOST, unique_name, wait_until
 from support.threads import Drain
 from support.toxiproxy.fixtures import ProxiedBroker
 
-from benchmarks import QUICK, blocked_in, clients, connect
+from benchmarks import QUICK, bench_confirms, blocked_in, clients, connect
 from benchmarks.clients import open_client
 from benchmarks.report import Collector, Section, fmt_ms, fmt_ratio, percentile, ratio
 
 pytestmark = pytest.mark.benchmark
 
 ROUNDS = 1 if QUICK else 2
-WINDOW = 0.5 if QUICK else 1.5  # seconds of publishing per run, rows 1-3
+WINDOW = 0.5 if QUICK else 1.0  # seconds of publishing per run, rows 1-3
 STUCK_WINDOW = 1.0 if QUICK else 2.0  # seconds of publishing per run, row 4
 THREADS = 10  # row 1
 PACE = 0.010  # row 4: seconds of sleep after each publish
@@ -153,51 +157,14 @@ def run_publish(name: str, routing_key: str, hostport: str) -> list[float]:
     return [sum(counts) / (max(done) - clock["start"])]
 
 
-def run_sync_confirms(kind: str, queue: str, hostport: str) -> list[float]:
-    """Row 2: one thread, ``basic_publish_confirm`` in a loop ("stock" or "drainer")."""
-    if kind == "stock":
-        conn = amqp.Connection(host=hostport, confirm_publish=True, connect_timeout=TIMEOUT)
-        conn.connect()
-    else:
-        conn = connect("drainer", host=hostport, connect_timeout=TIMEOUT)
-    try:
-        channel = conn.channel()
-        n = 0
-        start = time.perf_counter()
-        deadline = start + WINDOW
-        while time.perf_counter() < deadline:
-            channel.basic_publish_confirm(
-                amqp.Message(BODY), routing_key=queue, confirm_timeout=TIMEOUT
-            )
-            n += 1
-        return [n / (time.perf_counter() - start)]
-    finally:
-        conn.close()
+def confirms(run: Callable[..., float], *args: object) -> Callable[[str], list[float]]:
+    """Rows 2-3: one of benchmark G's runs (``bench_confirms``) on a network, for
+    ``WINDOW`` s; [msg/s]."""
 
+    def measure(hostport: str) -> list[float]:
+        return [run(*args, host=hostport, window=WINDOW)]
 
-def run_deferred(queue: str, hostport: str) -> list[float]:
-    """Row 3: one thread, the drainer's ``basic_publish_deferred``, then one
-    ``wait_for_confirms``; every future must be acked."""
-    conn = connect("drainer", host=hostport, connect_timeout=TIMEOUT)
-    try:
-        channel = conn.channel()
-        futures = []
-        start = time.perf_counter()
-        deadline = start + WINDOW
-        while time.perf_counter() < deadline:
-            futures.append(
-                channel.basic_publish_deferred(
-                    amqp.Message(BODY), routing_key=queue, timeout=TIMEOUT
-                )
-            )
-        assert channel.wait_for_confirms(timeout=TIMEOUT), "a deferred publish was not acked"
-        took = time.perf_counter() - start
-        assert all(f.done() and f.result(timeout=0) is True for f in futures), (
-            "a deferred publish was not acked"
-        )
-        return [len(futures) / took]
-    finally:
-        conn.close()
+    return measure
 
 
 def run_stuck(mode: str, routing_key: str, hostport: str) -> list[float]:
@@ -231,6 +198,12 @@ def run_stuck(mode: str, routing_key: str, hostport: str) -> list[float]:
     return latencies
 
 
+def installed(client: str) -> bool:
+    """Whether ``client``'s library can be imported (pika and aio-pika are optional)."""
+    module = {"pika": "pika", "aio-pika": "aio_pika"}.get(client.split()[0])
+    return module is None or importlib.util.find_spec(module) is not None
+
+
 def _cell(case: Case, values: list[float]) -> tuple[float, str]:
     """The figure a row shows for one network, and its cell."""
     if case.p99:
@@ -255,17 +228,36 @@ def test_one_millisecond_away(proxied_broker: ProxiedBroker, bench_report: Colle
     admin = connect("drainer", connect_timeout=TIMEOUT)
     publish = f"publish, no confirms, {THREADS} threads, msg/s"
     sync = "sync confirms, 1 thread, msg/s"
+    deferred = "streaming (deferred) confirms, 1 thread, msg/s"
     stuck = "publish beside a stuck consumer, P99"
     cases = [
-        Case(publish, "drainer", partial(run_publish, "drainer", nowhere)),
-        Case(publish, "stock+lock", partial(run_publish, "stock+lock", nowhere)),
-        Case(publish, "amqpstorm", partial(run_publish, "amqpstorm", nowhere)),
-        Case(sync, "drainer", partial(run_sync_confirms, "drainer", queue)),
-        Case(sync, "stock py-amqp", partial(run_sync_confirms, "stock", queue)),
-        Case("deferred confirms, 1 thread, msg/s", "drainer", partial(run_deferred, queue)),
+        *(
+            Case(publish, name, partial(run_publish, name, nowhere))
+            for name in ("drainer", "legacy", "stock+lock", "stock per thread", "amqpstorm")
+        ),
+        Case(sync, "drainer", confirms(bench_confirms.run_sync, "drainer", queue)),
+        Case(sync, "stock py-amqp", confirms(bench_confirms.run_sync, "stock", queue)),
+        Case(sync, "drainer kombu", confirms(bench_confirms.run_kombu, "drainer", queue)),
+        Case(sync, "stock kombu", confirms(bench_confirms.run_kombu, "stock", queue)),
+        Case(sync, "pika BlockingConnection", confirms(bench_confirms.run_pika_blocking, queue)),
+        Case(sync, "amqpstorm", confirms(bench_confirms.run_amqpstorm, queue)),
+        Case(deferred, "raw socket (ceiling)", confirms(bench_confirms.run_ceiling, queue)),
+        Case(deferred, "drainer", confirms(bench_confirms.run_deferred, "drainer", 1, queue)),
+        Case(
+            deferred,
+            "drainer kombu confirm_publish='deferred'",
+            confirms(bench_confirms.run_kombu, "deferred", queue),
+        ),
+        Case(
+            deferred,
+            "pika SelectConnection (window 5,000)",
+            confirms(bench_confirms.run_pika_select, queue),
+        ),
+        Case(deferred, "aio-pika (gathers of 1,000)", confirms(bench_confirms.run_aio_pika, queue)),
         Case(stuck, "drainer", partial(run_stuck, "drainer", nowhere), p99=True),
         Case(stuck, "legacy", partial(run_stuck, "legacy", nowhere), p99=True),
     ]
+    cases = [case for case in cases if installed(case.client)]
     values: dict[tuple[int, str], list[float]] = {}
     try:
         admin.channel().queue_declare(queue, auto_delete=False, arguments={"x-max-length": 1000})
@@ -311,8 +303,7 @@ def test_one_millisecond_away(proxied_broker: ProxiedBroker, bench_report: Colle
                 f"{fmt_ms(rtt['loopback'])}, through the proxy {fmt_ms(rtt['1 ms RTT'])} "
                 "(the proxy's own relaying included).",
                 "Rows 1 and 4 publish to a routing key bound to no queue; rows 2 and 3 to "
-                "one queue (x-max-length 1,000). pika SelectConnection is not measured: "
-                "bench_confirms.run_pika_select takes no host or port.",
+                "one queue (x-max-length 1,000), with benchmark G's code.",
                 "Ratio: 1 ms RTT / loopback (a rate below 1x: slower; a P99 above 1x: slower).",
             ],
             raw={"latency_ms": LATENCY_MS, "rtt_p50_s": rtt, "results": results},
