@@ -106,14 +106,16 @@ report "the version matrix and the peer suites" $? "$logs/beside.log" "$beside_s
 # scenario with its bounds); H (cost per publish) checks only that publishers end
 # (test_promises: every thread progresses); I (1 ms away) and G (confirmed publishing)
 # check that deferred confirms are acked (test_confirms, through the proxy too); C
-# (gunicorn) that every request is answered (test_gunicorn). bash scripts/bench.sh runs
-# them all.
+# (gunicorn) that every request is answered (test_gunicorn); K (consuming) that every
+# delivery arrives (test_kombu, test_promises: consumers in both modes). bash
+# scripts/bench.sh runs them all.
 step "the benchmarks, quick mode (hard bounds only)" 80 benchmarks \
   env DRAINER_BENCH_QUICK=1 .venv/bin/python -m pytest -q --durations=5 tests/benchmarks \
   -m benchmark -o python_files='test_*.py bench_*.py' \
   --ignore=tests/benchmarks/bench_failover.py --ignore=tests/benchmarks/bench_quorum.py \
   --ignore=tests/benchmarks/bench_cost.py --ignore=tests/benchmarks/bench_rtt.py \
-  --ignore=tests/benchmarks/bench_confirms.py --ignore=tests/benchmarks/bench_gunicorn.py
+  --ignore=tests/benchmarks/bench_confirms.py --ignore=tests/benchmarks/bench_gunicorn.py \
+  --ignore=tests/benchmarks/bench_consume.py
 
 echo "== done in $(($(date +%s) - begun)) s; logs in $logs/"
 if [ ${#failed[@]} != 0 ]; then

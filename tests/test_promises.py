@@ -15,7 +15,8 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import kombu
 import pytest
@@ -475,3 +476,153 @@ def test_a_link_failure_loses_no_more_returned_publishes_than_the_kernel_held(
         assert isinstance(error, (OSError, RecoverableConnectionError)), repr(error)
     assert not loss.strangers, "the queue holds a message nobody published"
     assert loss.lost * loss.body_size <= loss.held, loss
+
+
+ACKED_BEFORE_END = 300  # acks a consumer makes, then it ends the connection at once
+HELD_BACK = 20  # the last acks, which the drainer is kept from writing behind
+PREFILLED = 600
+
+
+def prefill(queue: str, n: int = PREFILLED) -> None:
+    conn = connect("drainer")
+    try:
+        channel = conn.channel()
+        for i in range(n):
+            channel.basic_publish(Message(b"todo-%04d" % i), routing_key=queue)
+        assert wait_until(
+            lambda: channel.queue_declare(queue, passive=True).message_count == n, JOIN
+        )
+    finally:
+        conn.close()
+
+
+def assert_acks_applied(acked: list[bytes], queue: str) -> None:
+    """Every acked body left the queue; every other one is back in it."""
+    assert len(acked) == ACKED_BEFORE_END
+    left = queue_bodies(queue)
+    assert not set(acked) & set(left), f"{len(set(acked) & set(left))} acked bodies redelivered"
+    assert sorted(left + acked) == sorted(b"todo-%04d" % i for i in range(PREFILLED))
+
+
+def hold_back_writes(conn: drainer_amqp.Connection, held: threading.Event) -> None:
+    """Once ``held`` is set, the drainer writes nothing behind: what is queued then waits
+    for whoever sends next (in drainer mode; legacy writes every ack before it returns)."""
+    flush = conn.flush_writes
+    conn.flush_writes = lambda: False if held.is_set() else flush()  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("ending", ["close", "channel.close", "kombu release"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_ack_that_returned_is_applied_before_the_end(
+    mode: str, ending: str, fresh_queue: str
+) -> None:
+    """An ack returns before it is written (drainer mode writes it behind); whatever ends
+    the connection or the channel next comes after it on the wire. Acks made while
+    another thread publishes on the connection, then the last ones held back in the
+    writer's queue (the drainer kept from writing them) as the end comes."""
+    prefill(fresh_queue)
+    acked: list[bytes] = []
+    held = threading.Event()
+
+    def ack(settle: Callable[[], object], body: bytes) -> None:
+        if len(acked) < ACKED_BEFORE_END:
+            if len(acked) == ACKED_BEFORE_END - HELD_BACK:
+                held.set()
+            settle()
+            acked.append(body)
+
+    conn: kombu.Connection | None = None
+    if ending == "kombu release":
+        conn = kombu.Connection(
+            f"amqp://guest:guest@{BROKER_HOST}//",
+            transport="drainer_amqp:Transport",
+            transport_options={"dedicated_drainer": mode == "drainer"},
+        )
+        consumer = kombu.Consumer(
+            conn.channel(),
+            queues=[kombu.Queue(fresh_queue, no_declare=True)],
+            callbacks=[lambda body, message: ack(message.ack, message.body)],
+            accept=None,
+            prefetch_count=100,
+        )
+        consumer.consume()
+        drainer_conn = conn.connection
+    else:
+        drainer_conn = connect(mode)
+        channel = drainer_conn.channel()
+        channel.basic_qos(0, 100, False)
+        channel.basic_consume(
+            fresh_queue,
+            callback=lambda m: ack(partial(channel.basic_ack, m.delivery_tag), m.body),
+        )
+    hold_back_writes(drainer_conn, held)
+    side = drainer_conn.channel()
+    nowhere = unique_name("drainer-promise-nowhere")
+
+    def publish(i: int, body: bytes) -> None:  # keeps the writer busy, routed nowhere
+        side.basic_publish(Message(body), routing_key=nowhere)
+
+    def drain_until(count: int) -> None:
+        deadline = time.monotonic() + JOIN
+        while len(acked) < count and time.monotonic() < deadline:
+            drainer_conn.drain_events(timeout=1)
+
+    try:
+        with Publishers(1, publish) as publishers:
+            publishers.wait_for(10)
+            drain_until(ACKED_BEFORE_END - HELD_BACK)
+        drain_until(ACKED_BEFORE_END)  # the publisher has stopped: these stay queued
+        if ending == "close":
+            drainer_conn.close()
+        elif ending == "channel.close":
+            channel.close()
+            drainer_conn.close()
+        else:
+            assert conn is not None
+            conn.release()
+    finally:
+        drainer_conn.collect()
+    assert_acks_applied(acked, fresh_queue)
+
+
+ACK_EXIT_SCRIPT = """
+import sys
+import drainer_amqp
+
+queue, mode, count, held = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+conn = drainer_amqp.Connection(host={host!r}, dedicated_drainer=mode == "drainer")
+conn.connect()
+flush = conn.flush_writes
+channel = conn.channel()
+channel.basic_qos(0, 100, False)
+acked = []
+
+def on_delivery(message):
+    if len(acked) < count:
+        if len(acked) == count - held:  # the drainer writes nothing behind from here on
+            conn.flush_writes = lambda: False
+        channel.basic_ack(message.delivery_tag)
+        acked.append(message.body.decode())
+
+channel.basic_consume(queue, callback=on_delivery)
+while len(acked) < count:
+    conn.drain_events(timeout=10)
+print(" ".join(acked), flush=True)
+# no close(): the script ends
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_script_that_acks_and_exits_applied_every_ack(mode: str, fresh_queue: str) -> None:
+    """The exit hook's close comes after every ack that returned, the last ones still
+    queued in the writer (the drainer kept from writing them)."""
+    prefill(fresh_queue)
+    script = textwrap.dedent(ACK_EXIT_SCRIPT).format(host=BROKER_HOST)
+    child = subprocess.run(
+        [sys.executable, "-c", script, fresh_queue, mode, str(ACKED_BEFORE_END), str(HELD_BACK)],
+        capture_output=True,
+        timeout=JOIN * 2,
+    )
+    assert child.returncode == 0, child.stderr.decode(errors="replace")
+    acked = [body.encode() for body in child.stdout.decode().split()]
+    assert_acks_applied(acked, fresh_queue)

@@ -11,6 +11,7 @@ contract: docs/threading.md.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -33,6 +34,8 @@ from .waits import Confirms, Inbox, Waiters
 
 __all__ = ["CLOSE_TIMEOUT", "Channel"]
 
+logger = logging.getLogger(__name__)
+
 #: Bound on waiting for ``Channel.CloseOk``, and the connection close()'s one deadline.
 CLOSE_TIMEOUT = 5.0
 
@@ -46,6 +49,9 @@ _QUEUED = _QUEUED_BY_CONSUMER | {spec.Basic.Return}
 _EVENTS = {_ACK: "basic_ack", _NACK: "basic_nack"}
 #: Written on a channel the broker closed: the close handshake, and the reopening.
 _ALWAYS_WRITTEN = frozenset((spec.Channel.Open, spec.Channel.Close, spec.Channel.CloseOk))
+#: A consumer's settlements: written behind (in drainer mode on plain TCP), in order with
+#: everything else, so a consumer thread does not wait for its ack's write.
+_SETTLEMENTS = frozenset((spec.Basic.Ack, spec.Basic.Nack, spec.Basic.Reject))
 
 
 def _body_bytes(message: Any) -> bytes:
@@ -78,6 +84,13 @@ def _return_error(payload: bytes) -> BaseException:
 
 def _closed_unconfirmed() -> BaseException:
     return RecoverableConnectionError("the channel was closed before the broker confirmed")
+
+
+def _settlement_not_written(error: BaseException | None) -> None:
+    """An ack, nack or reject written behind was not written: its channel had closed or
+    the connection ended, so the broker requeues the message, as after a stock ack lost
+    in the kernel's buffer by a failed link."""
+    logger.debug("a settlement written behind was not written: %r", error)
 
 
 def _refused_behind(future: ConfirmFuture, error: BaseException | None) -> None:
@@ -290,8 +303,9 @@ class Channel(pyamqp.Channel):
         # reading (blocked) must not hang kombu's release().
         timeout = CLOSE_TIMEOUT if sig == spec.Channel.Close else None
         waiter = self._expect(conn, wait) if wait else None
+        behind = _settlement_not_written if sig in _SETTLEMENTS and not callback else None
         try:
-            self._write(conn, sig, dumps(format, args) if format else "", content)
+            self._write(conn, sig, dumps(format, args) if format else "", content, behind=behind)
             written = promise()  # as py-amqp's: fulfilled once written
             if callback:
                 written.then(callback)

@@ -43,13 +43,13 @@ A thread with a complete message (all its frames, already encoded) calls
 the message is queued for the leader, or written at once when nobody is writing.
 
 **Written behind.** When the connection has a *flusher* (drainer mode on plain TCP: the
-drainer thread), ``send(behind=True)`` (a deferred publish, whose future is its promise)
-queues the message and returns at once, unwritten. A leader that finds only such
-messages queued hands them to the flusher instead of writing them, so no caller writes
-for others without end; the flusher (:meth:`Writer.flush`) writes them without blocking,
-and keeps the lead while the socket takes them. Without a flusher, ``behind`` is a
-blocking send. At most ``UNWRITTEN_LIMIT`` bytes wait behind: beyond it, ``behind`` is
-a blocking send too, so a fast publisher waits its turn.
+drainer thread), ``send(behind=...)`` (a deferred publish, whose future is its promise;
+a consumer's ack, nack or reject) queues the message and returns at once, unwritten. A
+leader that finds only such messages queued hands them to the flusher instead of writing
+them, so no caller writes for others without end; the flusher (:meth:`Writer.flush`)
+writes them without blocking, and keeps the lead while the socket takes them. Without a
+flusher, ``behind`` is a blocking send. At most ``UNWRITTEN_LIMIT`` bytes wait behind:
+beyond it, ``behind`` is a blocking send too, so a fast publisher waits its turn.
 
 The queue holds at most one waiting message per thread, the replies, and
 ``UNWRITTEN_LIMIT`` bytes written behind.

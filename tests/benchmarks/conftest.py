@@ -111,6 +111,7 @@ USUAL = {
     "bench_clients.py::test_one_thread_call_cost": 30,
     "bench_clients.py::test_link_failure_loss": 7,
     "bench_confirms.py::test_confirmed_publishing": 55,
+    "bench_consume.py::test_consume": 55,
     "bench_cost.py::test_cost_per_message": 57,
     "bench_failover.py::test_failover_time": 146,
     "bench_gunicorn.py::test_gunicorn_gthread_against_other_clients": 44,
