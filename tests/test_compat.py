@@ -9,7 +9,6 @@ from collections.abc import Iterator
 import amqp
 import kombu
 import pytest
-from amqp.transport import _AbstractTransport
 from kombu.transport import pyamqp
 
 from drainer_amqp import compat
@@ -29,7 +28,6 @@ def test_the_installed_releases_have_every_internal() -> None:
 @pytest.mark.parametrize(
     ("owner", "name", "shown"),
     [
-        (_AbstractTransport, "read_frame", "TCPTransport.read_frame"),
         (amqp.Connection, "_claim_channel_id", "Connection._claim_channel_id"),
         (pyamqp.Transport, "_collect", "Transport._collect"),
     ],

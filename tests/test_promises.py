@@ -505,10 +505,13 @@ def assert_acks_applied(acked: list[bytes], queue: str) -> None:
 
 
 def hold_back_writes(conn: drainer_amqp.Connection, held: threading.Event) -> None:
-    """Once ``held`` is set, the drainer writes nothing behind: what is queued then waits
-    for whoever sends next (in drainer mode; legacy writes every ack before it returns)."""
-    flush = conn.flush_writes
-    conn.flush_writes = lambda: False if held.is_set() else flush()  # type: ignore[method-assign]
+    """Once ``held`` is set, the drainer starts no new write behind (one under way ends):
+    what is queued then waits for whoever sends next (in drainer mode; legacy writes
+    every ack before it returns)."""
+    writer = conn.writer
+    assert writer is not None
+    start = writer._start_flush
+    writer._start_flush = lambda: None if held.is_set() else start()  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("ending", ["close", "channel.close", "kombu release"])
@@ -592,15 +595,14 @@ import drainer_amqp
 queue, mode, count, held = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 conn = drainer_amqp.Connection(host={host!r}, dedicated_drainer=mode == "drainer")
 conn.connect()
-flush = conn.flush_writes
 channel = conn.channel()
 channel.basic_qos(0, 100, False)
 acked = []
 
 def on_delivery(message):
     if len(acked) < count:
-        if len(acked) == count - held:  # the drainer writes nothing behind from here on
-            conn.flush_writes = lambda: False
+        if len(acked) == count - held:  # the drainer starts no write behind from here on
+            conn.writer._start_flush = lambda: None
         channel.basic_ack(message.delivery_tag)
         acked.append(message.body.decode())
 

@@ -19,6 +19,7 @@ from support.threads import run_in_thread, stack_names
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, reading
 from drainer_amqp.channel import Channel
+from drainer_amqp.framing import Frame
 from drainer_amqp.reading import LegacyReader
 from drainer_amqp.sync import SelfPipe, Waiter
 from drainer_amqp.waits import Confirms, Waiters
@@ -205,9 +206,9 @@ def test_a_legacy_heartbeat_timeout_wakes_a_blocked_reader_and_closes_the_socket
     in_read = threading.Event()
     read_frame = reading.read_frame
 
-    def hooked(conn: Any, timeout: float | None) -> None:
+    def hooked(transport: Any, frame_max: int) -> Frame:
         in_read.set()
-        read_frame(conn, timeout)
+        return read_frame(transport, frame_max)
 
     monkeypatch.setattr(reading, "read_frame", hooked)
     reader, read = run_in_thread(conn.drain_events, "reader")  # blocked until a frame comes

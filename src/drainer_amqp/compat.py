@@ -16,7 +16,7 @@ from kombu.transport import pyamqp
 
 _CHANNEL = "_do_revive _on_close _basic_publish basic_publish_confirm collect confirm_select"
 _CONNECTION = "_get_free_channel_id _claim_channel_id on_inbound_method _on_close_ok collect"
-_TRANSPORT = "_read _read_buffer read_frame having_timeout sock"
+_TRANSPORT = "_read _read_buffer sock"
 _KOMBU = "establish_connection close_connection _collect register_with_event_loop on_readable"
 #: What each class, or an unconnected instance of it, must have: the methods drainer-amqp
 #: overrides or calls and the attributes it reads or sets.

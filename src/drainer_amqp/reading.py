@@ -10,12 +10,15 @@ reads a frame dispatches it. Drainer mode: :class:`~drainer_amqp.drainer.Drainer
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from time import monotonic
 from typing import Any, Protocol
 
-from .framing import HEADER_SIZE, check_header
+from amqp.exceptions import UnexpectedFrame
+
+from .framing import FRAME_END, HEADER_SIZE, Frame, check_header
 from .sync import Awaitable, FairRLock
 
 __all__ = ["LegacyReader", "Reader"]
@@ -137,7 +140,7 @@ class LegacyReader:
                     # the connection, which fills awaitable: wait for that, not the socket.
                     stand_by = conn.is_closing and not closing
                     if not stand_by:
-                        read_frame(conn, remaining)  # at least one read, even at the deadline
+                        read_frames(conn, awaitable, lock, deadline)
                 finally:
                     conn.dispatching_thread = None
             except TimeoutError:
@@ -155,19 +158,51 @@ class LegacyReader:
                 raise TimeoutError()
 
 
-def read_frame(conn: LegacyConnection, timeout: float | None) -> None:
-    """Legacy: read one frame with py-amqp's transport and dispatch it.
-
-    As py-amqp's ``blocking_read``, except that the header is checked
-    (:func:`~drainer_amqp.framing.check_header`) before the payload is read: a bogus
-    size fails at once instead of waiting for (and buffering) that many bytes.
-    """
+def read_frames(
+    conn: LegacyConnection, awaitable: Awaitable, lock: FairRLock, deadline: float | None
+) -> None:
+    """Legacy, under the transport lock: read frames with py-amqp's transport and dispatch
+    them; at least one (even at the deadline), then on while ``awaitable`` is not ready,
+    nobody waits for ``lock`` and ``deadline`` is not reached (one turn per message, not
+    per frame). The socket's timeout is the time left, as in py-amqp's ``having_timeout``,
+    and is restored after."""
     transport = conn._transport  # not py-amqp's .transport, which connects when it is None
     if transport is None:
         raise conn.error_for_caller()
-    with transport.having_timeout(timeout):
-        header = transport._read(HEADER_SIZE, True)  # a timeout here keeps what it read
-        transport._read_buffer = header + transport._read_buffer  # read_frame reads it again
-        check_header(header, conn.frame_max)
-        frame = transport.read_frame()
-    conn.on_inbound_frame(frame)
+    sock = transport.sock
+    previous = sock.gettimeout()
+    try:
+        while True:
+            if deadline is not None:
+                sock.settimeout(max(deadline - monotonic(), 0.0))
+            conn.on_inbound_frame(read_frame(transport, conn.frame_max))
+            if awaitable.ready() or lock.contended:
+                return
+            if deadline is not None and monotonic() >= deadline:
+                return
+    except (ssl.SSLWantReadError, BlockingIOError):  # a timeout of 0
+        raise TimeoutError() from None
+    finally:
+        if deadline is not None:
+            sock.settimeout(previous)
+
+
+def read_frame(transport: Any, frame_max: int) -> Frame:
+    """Read one frame with py-amqp's ``transport``.
+
+    As py-amqp's ``read_frame`` (exact reads, so nothing the frame does not hold is taken
+    from the socket: a ``select`` on it still sees what follows), except that the header
+    is checked (:func:`~drainer_amqp.framing.check_header`) before the payload is read, so
+    a bogus size fails at once instead of waiting for (and buffering) that many bytes,
+    and the payload and its frame-end byte are read together.
+    """
+    header = transport._read(HEADER_SIZE, True)  # a timeout here keeps what it read
+    frame_type, channel, size = check_header(header, frame_max)
+    try:
+        rest = transport._read(size + 1)
+    except OSError:  # a timeout (py-amqp's _read keeps what it read of the payload)
+        transport._read_buffer = header + transport._read_buffer  # read again next time
+        raise
+    if rest[size] != FRAME_END:
+        raise UnexpectedFrame(f"Received frame_end {rest[size]:#04x} while expecting 0xce")
+    return frame_type, channel, rest[:size]

@@ -180,6 +180,11 @@ class FairRLock:
             self._waiters.remove(entry)
             return False
 
+    @property
+    def contended(self) -> bool:
+        """Another thread waits for the lock (a hint: it may change at once)."""
+        return bool(self._waiters)
+
     def release(self) -> None:
         with self._mutex:
             if self._owner != threading.get_ident():
