@@ -4,6 +4,7 @@ Basic.Publish, raises where it raises, and the fast path round-trips through the
 from __future__ import annotations
 
 import copy
+import struct
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from support.broker import unique_name, wait_until
 
+from drainer_amqp.channel import _settlement_frame
 from drainer_amqp.encoding import CACHE_SIZE, PublishEncoder
 
 MODES = ["legacy", "drainer"]
@@ -276,3 +278,23 @@ def test_a_fast_path_publish_counts_as_traffic_for_heartbeats(
     before = conn.bytes_sent
     channel.basic_publish(amqp.Message(b"x"), routing_key=unique_name())
     assert conn.bytes_sent > before
+
+
+@pytest.mark.parametrize(
+    ("sig", "argsig", "args"),
+    [
+        (spec.Basic.Ack, "Lb", (5, False)),
+        (spec.Basic.Ack, "Lb", (2**40, True)),
+        (spec.Basic.Reject, "Lb", (7, True)),
+        (spec.Basic.Reject, "Lb", (7, False)),
+        (spec.Basic.Nack, "Lbb", (9, True, False)),
+        (spec.Basic.Nack, "Lbb", (9, False, True)),
+        (spec.Basic.Nack, "Lbb", (9, True, True)),
+    ],
+)
+def test_a_settlement_frame_is_what_py_amqp_writes(
+    sig: tuple[int, int], argsig: str, args: tuple[int | bool, ...]
+) -> None:
+    payload = struct.pack(">HH", *sig) + dumps(argsig, args)
+    expected = struct.pack(">BHI", 1, 3, len(payload)) + payload + b"\xce"
+    assert _settlement_frame(3, sig, args) == expected

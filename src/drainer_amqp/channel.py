@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 from functools import partial
-from struct import unpack_from
+from struct import Struct, unpack_from
 from time import monotonic
 from typing import Any, Protocol
 
@@ -84,6 +84,17 @@ def _return_error(payload: bytes) -> BaseException:
 
 def _closed_unconfirmed() -> BaseException:
     return RecoverableConnectionError("the channel was closed before the broker confirmed")
+
+
+_SETTLEMENT_FRAME = Struct(">BHIHHQBB")  # a method frame: Basic.Ack, Nack or Reject
+
+
+def _settlement_frame(channel_id: int, sig: tuple[int, int], args: tuple[Any, ...]) -> bytes:
+    """A Basic.Ack, Nack or Reject frame, encoded as py-amqp would (its bits in one
+    octet)."""
+    tag, *flags = args
+    bits = sum(1 << i for i, flag in enumerate(flags) if flag)
+    return _SETTLEMENT_FRAME.pack(1, channel_id, 13, sig[0], sig[1], tag, bits, 0xCE)
 
 
 def _settlement_not_written(error: BaseException | None) -> None:
@@ -303,9 +314,13 @@ class Channel(pyamqp.Channel):
         # reading (blocked) must not hang kombu's release().
         timeout = CLOSE_TIMEOUT if sig == spec.Channel.Close else None
         waiter = self._expect(conn, wait) if wait else None
-        behind = _settlement_not_written if sig in _SETTLEMENTS and not callback else None
+        channel_id = self.channel_id
         try:
-            self._write(conn, sig, dumps(format, args) if format else "", content, behind=behind)
+            if sig in _SETTLEMENTS and not callback and channel_id is not None:
+                encoded = [_settlement_frame(channel_id, sig, args)]
+                self._write(conn, sig, None, None, encoded=encoded, behind=_settlement_not_written)
+            else:
+                self._write(conn, sig, dumps(format, args) if format else "", content)
             written = promise()  # as py-amqp's: fulfilled once written
             if callback:
                 written.then(callback)

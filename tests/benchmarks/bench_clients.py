@@ -68,7 +68,7 @@ pytestmark = pytest.mark.benchmark
 
 THREADS = (10, 100)
 ROUNDS = 1 if QUICK else 2
-WINDOW = 0.3 if QUICK else 2.0  # seconds of publishing per run
+WINDOW = 0.3 if QUICK else 1.5  # seconds of publishing per run
 BODY = b"x" * 64
 STALL_AFTER = 20.0  # seconds after the window: a thread still blocked then has stalled
 CLOSE_THREADS = 10

@@ -48,7 +48,7 @@ from benchmarks.report import Collector, Section, fmt_ratio
 pytestmark = pytest.mark.benchmark
 
 ROUNDS = 1 if QUICK else 2
-WINDOW = 0.5 if QUICK else 2.0  # seconds of publishing per run
+WINDOW = 0.5 if QUICK else 1.5  # seconds of publishing per run
 BODY = b"x" * 64
 CEILING_UNCONFIRMED = 20_000
 TIMEOUT = 10.0  # seconds any one connect or wait may take

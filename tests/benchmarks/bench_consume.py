@@ -47,7 +47,7 @@ from benchmarks.report import Collector, Section, fmt_ratio
 
 pytestmark = pytest.mark.benchmark
 
-N = 4_000 if QUICK else 40_000  # messages per run
+N = 4_000 if QUICK else 25_000  # messages per run
 ROUNDS = 1 if QUICK else 2
 BODY = b"x" * 64
 PREFILL_BATCH = 1_000  # publishes per socket write while prefilling (N is a multiple)

@@ -40,7 +40,7 @@ from benchmarks.report import Collector, Section
 
 pytestmark = pytest.mark.benchmark
 
-TOTAL = 2_000 if QUICK else 20_000  # messages per run, split between the threads
+TOTAL = 2_000 if QUICK else 12_000  # messages per run, split between the threads
 THREADS = (1, 16, 100)
 CLIENTS = ("drainer", "legacy", "stock+lock", "amqpstorm")
 BODY = b"x" * 64

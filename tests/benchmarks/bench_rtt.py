@@ -71,8 +71,8 @@ from benchmarks.report import Collector, Section, fmt_ms, fmt_ratio, percentile,
 pytestmark = pytest.mark.benchmark
 
 ROUNDS = 1 if QUICK else 2
-WINDOW = 0.5 if QUICK else 1.0  # seconds of publishing per run, rows 1-3
-STUCK_WINDOW = 1.0 if QUICK else 2.0  # seconds of publishing per run, row 4
+WINDOW = 0.5 if QUICK else 0.75  # seconds of publishing per run, rows 1-3
+STUCK_WINDOW = 1.0 if QUICK else 1.5  # seconds of publishing per run, row 4
 THREADS = 10  # row 1
 PACE = 0.010  # row 4: seconds of sleep after each publish
 LATENCY_MS = 1  # added to every round trip through the proxy (downstream only)

@@ -55,7 +55,7 @@ pytestmark = pytest.mark.benchmark
 
 THREADS = (10, 100)
 ROUNDS = 1 if QUICK else 2
-WINDOW = 0.6 if QUICK else 2.5  # seconds of publishing per run
+WINDOW = 0.6 if QUICK else 1.5  # seconds of publishing per run
 BODY = b"x" * 64
 BATCH = 64  # messages per sendall in the ceiling
 TARGET_10 = 1.3  # drainer / legacy, no confirms, 10 threads
