@@ -3,6 +3,7 @@ each concurrency test run once more with the interpreter switching threads const
 
 from __future__ import annotations
 
+import concurrent.futures
 import select
 import socket
 import threading
@@ -19,6 +20,7 @@ from support.threads import run_in_thread, stack_names
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, reading
 from drainer_amqp.channel import Channel
+from drainer_amqp.deferred import ConfirmFuture
 from drainer_amqp.framing import Frame
 from drainer_amqp.reading import LegacyReader
 from drainer_amqp.sync import SelfPipe, Waiter
@@ -353,3 +355,95 @@ def test_a_return_fails_its_own_publish_even_when_other_acks_come_before_its_ack
     assert not confirms.fail_returned(("", "elsewhere", b"m"), error)
     assert confirms.fail_returned(("", "nowhere", b"m"), error)
     assert waiters[6].error is error
+
+
+# -- a deferred publish's future: watchers racing its settling ----------------------------
+
+
+class _FutureReader:
+    """Drainer mode's wait: sleep on the awaitable itself."""
+
+    def wait(self, awaitable: Any, deadline: float | None, closing: bool = False) -> None:
+        if not awaitable.wait(None if deadline is None else deadline - time.monotonic()):
+            raise TimeoutError()
+
+
+class _FutureConnection:
+    reader: Any = _FutureReader()
+
+    def error_for_caller(self, report: bool = True) -> BaseException:
+        return drainer_amqp.ConnectionLost("the connection ended")
+
+
+def test_a_future_does_what_concurrent_futures_does_with_the_same_attributes() -> None:
+    """ConfirmFuture makes its own copy of Future's attributes (all but the condition,
+    made only when watched): a Python release that adds one fails here."""
+    future = ConfirmFuture(_FutureConnection(), lambda f, outcome: None)
+    stock = set(vars(concurrent.futures.Future()))
+    assert stock - {"_condition"} <= set(vars(future)), stock - set(vars(future))
+
+
+def race_to_settle(watcher: str) -> None:
+    """One future, an ack and a failure racing to settle it, a thread watching it."""
+    counted: list[str] = []
+    seen: list[object] = []
+    future = ConfirmFuture(_FutureConnection(), lambda f, outcome: counted.append(outcome))
+    start = threading.Barrier(3, timeout=JOIN)
+
+    def ack() -> None:
+        start.wait()
+        future(spec.Basic.Ack)
+
+    def fail() -> None:
+        start.wait()
+        future.fail(RuntimeError("failed"))
+
+    def watch() -> None:
+        start.wait()
+        if watcher == "result":
+            try:
+                seen.append(future.result(timeout=JOIN))
+            except RuntimeError as exc:
+                seen.append(exc)
+        elif watcher == "wait":
+            done, _ = concurrent.futures.wait([future], timeout=JOIN)
+            seen.append(future in done)
+        elif watcher == "callback":
+            future.add_done_callback(lambda f: seen.append(f.done()))
+        elif watcher == "as_completed":
+            watched: list[concurrent.futures.Future[Any]] = [future]
+            seen.extend(f.done() for f in concurrent.futures.as_completed(watched, JOIN))
+        else:
+            while not future.done():
+                time.sleep(0)
+            seen.append(True)
+
+    threads = [threading.Thread(target=t) for t in (ack, fail, watch)]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN)
+    assert not any(t.is_alive() for t in threads)
+    # A watcher that missed its wake-up returns only at its timeout (JOIN).
+    assert time.monotonic() - began < JOIN / 2, "the watcher was not woken"
+    assert len(counted) == 1, counted
+    assert future.done()
+    assert len(seen) == 1, seen
+    if counted == ["acked"]:
+        assert future.result(0) is True
+        assert seen[0] is True
+    else:
+        assert isinstance(future.exception(0), RuntimeError)
+        assert seen[0] is True or isinstance(seen[0], RuntimeError), seen
+
+
+@pytest.mark.parametrize("watcher", ["result", "wait", "callback", "as_completed", "done"])
+def test_a_future_settles_once_for_every_watcher_racing_its_settling(
+    switching: None, watcher: str
+) -> None:
+    """An ack and a failure race to settle each future while a thread watches it: one
+    answer stands, counted once; the watcher sees it (a waiting watcher is woken, a
+    done callback runs once), whichever of the three came first."""
+    for _ in range(500):
+        race_to_settle(watcher)

@@ -39,6 +39,45 @@ class FutureConnection(Protocol):
     def error_for_caller(self, report: bool = True) -> BaseException: ...
 
 
+class _Unwatched:
+    """The condition of a future that settled before any thread watched it: its state no
+    longer changes, so there is nothing to guard or to wait for."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+    def __enter__(self) -> bool:
+        return True
+
+    def __exit__(self, *exc_info: Any) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float | None = None) -> Any:
+        return predicate()
+
+    def notify(self, n: int = 1) -> None:
+        pass
+
+    def notify_all(self) -> None:
+        pass
+
+
+_UNWATCHED = _Unwatched()
+_FINISHED = "FINISHED"  # concurrent.futures' state names
+_DONE_STATES = frozenset(("CANCELLED", "CANCELLED_AND_NOTIFIED", _FINISHED))
+#: Guards the choice of a future's condition (``_watch``): a watcher's new Condition, or
+#: the no-op once it has settled unwatched. Taken by the first watcher of a pending
+#: future and by the thread that settles a future nobody watched yet; held for a few
+#: assignments, never with another lock.
+_CHOOSING = threading.Lock()
+
+
 class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     """The broker's answer to one deferred publish.
 
@@ -50,16 +89,40 @@ class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     legacy mode ``result()`` and ``exception()`` read the socket while they wait, as any
     legacy wait does. A future that failed and is dropped without anyone asking for
     its outcome logs one warning.
+
+    Most futures are settled before any thread looks at them, so the
+    ``threading.Condition`` that ``concurrent.futures`` gives every future is made only
+    when a thread watches one that is still pending (``result()``,
+    ``add_done_callback()``, ``concurrent.futures.wait()``...); one settled unwatched
+    gets a no-op condition, with its state already final. Which comes first is decided
+    under ``_CHOOSING``; a watched future's state changes under its condition, as
+    ``concurrent.futures`` expects.
     """
 
     def __init__(
         self, conn: FutureConnection, on_settled: Callable[[ConfirmFuture, str], None]
     ) -> None:
-        super().__init__()
+        # concurrent.futures.Future's attributes, but its _condition (see above).
+        self._state = "PENDING"
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Callable[[Any], object]] = []
         self._conn = conn
         self._on_settled = on_settled
         self._asked = False  # result() or exception() was called
-        self._claimed = False  # an answer was taken; under self._condition
+        self._open = True  # popped by the first answer (an atomic claim)
+
+    @property
+    def _condition(self) -> Any:  # type: ignore[override]
+        watch = self.__dict__.get("_watch")
+        if watch is None:
+            with _CHOOSING:
+                watch = self.__dict__.get("_watch")
+                if watch is None:
+                    watch = threading.Condition()
+                    self.__dict__["_watch"] = watch
+        return watch
 
     # -- settled by the reading thread, or by the connection's end ----------------------
     def __call__(self, method_sig: tuple[int, int], *args: Any) -> None:
@@ -78,16 +141,37 @@ class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
             self._settle(error, "returned" if getattr(error, "reply_code", 0) == 312 else "failed")
 
     def _settle(self, error: BaseException | None, outcome: str) -> None:
-        with self._condition:  # the first answer stands
-            if self._claimed:
-                return
-            self._claimed = True
+        if self.__dict__.pop("_open", None) is None:
+            return  # the first answer stands
         # Counted first: whoever sees the future done sees its outcome counted too.
         self._on_settled(self, outcome)
+        watch = self.__dict__.get("_watch")
+        if watch is None:
+            with _CHOOSING:
+                watch = self.__dict__.get("_watch")
+                if watch is None:  # nobody watches it: no waiter, no done callback
+                    self._finish(error)
+                    self.__dict__["_watch"] = _UNWATCHED
+                    return
+        with watch:  # as Future.set_result / set_exception
+            self._finish(error)
+            for waiter in self._waiters:
+                if error is None:
+                    waiter.add_result(self)
+                else:
+                    waiter.add_exception(self)
+            watch.notify_all()
+        self._invoke_callbacks()  # type: ignore[attr-defined]
+
+    def _finish(self, error: BaseException | None) -> None:
         if error is None:
-            self.set_result(True)
+            self._result = True
         else:
-            self.set_exception(error)
+            self._exception = error
+        self._state = _FINISHED
+
+    def done(self) -> bool:
+        return self._state in _DONE_STATES  # it only moves forward: no lock needed
 
     def cancel(self) -> bool:
         """A publish cannot be called back: always False (as for a running future)."""
