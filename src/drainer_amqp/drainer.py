@@ -14,10 +14,20 @@
   reading, so TCP back-pressure reaches the broker; :meth:`Drainer.wake` resumes it.
 * :meth:`Drainer.stop` wakes the ``select`` at once; the thread exits and reports to
   ``sink.drainer_exited``.
+* **A waiting thread may read its own reply.** While the thread sleeps in ``select``, a
+  caller's thread that waits for a reply or a confirm (:meth:`Drainer.wait`) takes the
+  right to read (``_reading``), takes the socket out of the thread's ``select``, and
+  reads and dispatches frames itself, as stock py-amqp's caller does, for at most
+  ``BORROW_FOR``; then it gives both back and, if its reply has not come, sleeps as any
+  waiter does. One thread switch per reply instead of two. Not the main thread (a
+  ``KeyboardInterrupt`` between a read and its dispatch would lose frames), nor TLS,
+  nor ``drain_events()``, nor while the inbox is full.
 """
 
 from __future__ import annotations
 
+import math
+import select
 import selectors
 import socket
 import ssl
@@ -35,6 +45,10 @@ __all__ = ["Drainer", "DrainerStats", "DrainerSink"]
 READ_SIZE = 256 * 1024
 #: How often an idle drainer checks that its socket still exists (seconds).
 CHECK_CLOSED = 2.0
+#: How long a waiting caller's thread reads the socket itself before it gives it back
+#: to the drainer thread and sleeps (seconds): a confirm or a reply from a healthy
+#: broker comes well within it.
+BORROW_FOR = 0.02
 
 
 class DrainerSink(Protocol):
@@ -54,7 +68,8 @@ class DrainerSink(Protocol):
 
 @dataclass
 class DrainerStats:
-    """Plain counters, written by the drainer thread only (reads may be a frame stale)."""
+    """Plain counters, written by whoever holds the right to read (reads may be a frame
+    stale)."""
 
     frames_read: int = 0
     bytes_read: int = 0
@@ -77,8 +92,22 @@ class Drainer:
         self.inbox_limit = inbox_limit
         self._wake: SelfPipe | None = None  # from start(): makes the select return
         self._stopping = False  # set once by stop_reading(), read by the thread
-        self._counts = DrainerStats()  # written by the thread only
+        self._counts = DrainerStats()  # written by the reader of the moment
         self.thread: threading.Thread | None = None
+        # The right to read the socket (its assembler, the counts): the thread holds it
+        # except while it sleeps in select, when a waiting caller may take it (_borrow).
+        self._reading = threading.Lock()
+        # Guards the socket's registration with the thread's selector: _selector,
+        # _wanted, _watching, _lent. Taken by the thread as it registers what it wants,
+        # and by a borrower as it takes reading away and gives it back.
+        self._watch_lock = threading.Lock()
+        self._selector: selectors.BaseSelector | None = None  # the thread's, while it runs
+        self._wanted = 0  # the events the thread wants the socket watched for
+        self._watching = 0  # the events it is registered for
+        self._lent = False  # a borrower reads: the thread does not watch for reading
+        self._last_recv = monotonic()  # when bytes last came, whoever read them
+        self._borrows = 0  # how many times a caller took the reading (under _reading)
+        self._borrow_error: BaseException | None = None  # a borrower's read failed
 
     # -- owner API ---------------------------------------------------------------
     def new_locks(self) -> tuple[Any, Any]:
@@ -127,25 +156,103 @@ class Drainer:
         return {"running": running, **asdict(self._counts)}
 
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
-        """The :class:`~drainer_amqp.reading.Reader` seam: this thread reads, so a caller
-        only sleeps until ``awaitable`` is ready; ``TimeoutError`` at ``deadline``."""
+        """The :class:`~drainer_amqp.reading.Reader` seam: return once ``awaitable`` is
+        ready; ``TimeoutError`` at ``deadline``. The caller reads its own reply while the
+        thread is idle (see the module docstring), else sleeps until the thread's read
+        fills it."""
         if self.thread is not None and self._sock.fileno() == -1 and self.thread.is_alive():
             self.wake()  # someone closed the socket under us: the thread reports it
+        if not closing and self._borrow(awaitable, deadline):
+            return
         timeout = None if deadline is None else deadline - monotonic()
         if not awaitable.wait(timeout):
             raise TimeoutError()
+
+    def _may_borrow(self, awaitable: Awaitable) -> bool:
+        return (
+            not self._tls
+            and not self._stopping
+            and self.thread is not None
+            and threading.current_thread() is not threading.main_thread()
+            and getattr(awaitable, "waiter_reads", True)
+            and not awaitable.ready()
+        )
+
+    def _borrow(self, awaitable: Awaitable, deadline: float | None) -> bool:
+        """Read the socket in this thread, while the thread sleeps, until ``awaitable`` is
+        ready (True) or for ``BORROW_FOR``; ``TimeoutError`` at ``deadline``. False when
+        it may not, or its reply did not come in time: the caller then sleeps."""
+        if not self._may_borrow(awaitable) or not self._reading.acquire(blocking=False):
+            return False
+        self._borrows += 1
+        try:
+            with self._watch_lock:
+                if self._selector is None:  # the thread has exited
+                    return False
+                self._lent = True
+                self._register()
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN)
+            until = monotonic() + BORROW_FOR
+            while not awaitable.ready():
+                if self._stopping or self._sink.reading_paused():
+                    return False
+                now = monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError()
+                left = until - now if deadline is None else min(until, deadline) - now
+                if left <= 0:
+                    return False
+                if not poller.poll(math.ceil(left * 1000)):
+                    continue
+                try:
+                    if self._read():
+                        self._last_recv = monotonic()
+                except Exception as exc:  # noqa: BLE001 - the thread reports it, as its own
+                    if not self._stopping:
+                        self._borrow_error = exc
+                        self.wake()
+                    return False
+            return True
+        except (OSError, ValueError):  # the socket was closed meanwhile: the thread reports
+            return False
+        finally:
+            with self._watch_lock:
+                self._lent = False
+                if self._selector is not None:
+                    self._register()
+            self._reading.release()
+
+    def _register(self) -> None:
+        """Under ``_watch_lock``: watch the socket for what the thread wants, less reading
+        while a borrower reads."""
+        events = self._wanted & ~selectors.EVENT_READ if self._lent else self._wanted
+        if events == self._watching or self._selector is None:
+            return
+        if not self._watching:
+            self._selector.register(self._sock, events)
+        elif not events:
+            self._selector.unregister(self._sock)
+        else:
+            self._selector.modify(self._sock, events)
+        self._watching = events
 
     # -- the thread ----------------------------------------------------------------
     def _run(self) -> None:
         error: BaseException | None = None
         selector = selectors.DefaultSelector()
+        self._reading.acquire()
         try:
             assert self._wake is not None
             selector.register(self._wake, selectors.EVENT_READ)
+            with self._watch_lock:
+                self._selector = selector
             self._loop(selector, self._wake)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported to the owner
             error = exc
         finally:
+            with self._watch_lock:
+                self._selector = None
             selector.close()
         try:
             self._sink.drainer_exited(None if self._stopping else error)
@@ -153,49 +260,55 @@ class Drainer:
             self.close()  # the wake-up pair goes with the thread, whoever stopped it
 
     def _loop(self, selector: selectors.BaseSelector, wake: SelfPipe) -> None:
+        """Runs holding ``_reading`` except in ``select``; without it after a ``select``
+        (a borrower reads), it does all but reading."""
         now = monotonic()
-        last_recv = last_sent = now
+        self._last_recv = last_sent = now
         seen_sent = self._sink.bytes_sent
         interval = self._heartbeat
-        watching = 0  # the events the socket is registered for with the selector
         flushing = False  # bytes written behind wait for the socket to take them
+        holding = True  # this thread holds _reading
         while not self._stopping:
             paused = self._sink.reading_paused()
-            events = (0 if paused else selectors.EVENT_READ) | (
-                selectors.EVENT_WRITE if flushing else 0
-            )
-            if events != watching:
-                if not watching:
-                    selector.register(self._sock, events)
-                elif not events:
-                    selector.unregister(self._sock)
-                else:
-                    selector.modify(self._sock, events)
-                watching = events
+            with self._watch_lock:
+                self._wanted = (0 if paused else selectors.EVENT_READ) | (
+                    selectors.EVENT_WRITE if flushing else 0
+                )
+                self._register()
             if paused:
-                last_recv = monotonic()  # the silence is ours, not the broker's
+                self._last_recv = monotonic()  # the silence is ours, not the broker's
             # A socket closed by someone else vanishes from the selector without an
             # event, so an idle drainer also looks at it every CHECK_CLOSED seconds.
             timeout = CHECK_CLOSED
             if interval:
-                due = min(last_sent + interval / 2, last_recv + 2 * interval)
+                due = min(last_sent + interval / 2, self._last_recv + 2 * interval)
                 timeout = min(timeout, max(0.0, due - monotonic()))
             if not paused and self._tls and self._tls_pending():
                 readable = True  # decrypted bytes that select cannot see
             else:
                 readable = False
+                borrows = self._borrows
+                if holding and not self._tls:
+                    self._reading.release()  # a waiting caller may read meanwhile
+                    holding = False
                 for key, ready in selector.select(timeout):
                     if key.fileobj is wake:
                         wake.clear()
                     elif ready & selectors.EVENT_READ:
                         readable = True
+                holding = holding or self._reading.acquire(blocking=False)
+                # A caller that read meanwhile may have taken what select saw: the
+                # socket would block. The next select tells.
+                readable = readable and holding and self._borrows == borrows
             if self._stopping:
                 return
+            if self._borrow_error is not None:
+                raise self._borrow_error
             if self._sock.fileno() == -1:
                 raise ConnectionLost("the socket was closed under the drainer")
             now = monotonic()
             if readable and self._read():
-                last_recv = now
+                self._last_recv = now
             flushing = self._sink.flush_writes()
             if interval:
                 sent = self._sink.bytes_sent
@@ -206,9 +319,9 @@ class Drainer:
                     if self._sink.try_send_heartbeat():
                         self._counts.heartbeats_sent += 1
                     seen_sent, last_sent = self._sink.bytes_sent, now
-                if now - last_recv > 2 * interval:
+                if now - self._last_recv > 2 * interval:
                     raise HeartbeatTimeout(
-                        f"no frame from the broker for {now - last_recv:.1f}s "
+                        f"no frame from the broker for {now - self._last_recv:.1f}s "
                         f"(heartbeat {interval:g}s)"
                     )
 

@@ -193,6 +193,9 @@ class Inbox:
     queue has drained below half, when ``on_room`` is called.
     """
 
+    #: A thread in ``drain_events()`` never reads the socket itself in drainer mode.
+    waiter_reads = False
+
     def __init__(self, limit: int = 0, on_room: Callable[[], None] | None = None) -> None:
         self.limit = limit
         self.on_room = on_room

@@ -1,0 +1,153 @@
+"""Drainer mode: a thread that waits for its reply reads it itself while the drainer
+thread sleeps (``drainer.BORROW_FOR``), and gives the socket back after: its reply
+arrives without a second thread's wake-up, and nothing else changes (the drainer reads
+again, a bad frame fails the connection in every waiter, close() does not hang).
+
+The fake broker (``support.fake_broker``) answers a ``Queue.Declare`` only when the test
+sends the reply, so a wait can be made to last.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from amqp import Message, spec
+from support.broker import JOIN, unique_name
+from support.fake_broker import FakeBroker, fake_broker, frame, method
+from support.publishing import connect
+from support.threads import run_in_thread, wait_until_blocked
+
+import drainer_amqp
+from drainer_amqp import drainer
+
+DECLARE_OK = (spec.Queue.DeclareOk, "sLL", ("q", 0, 0))
+
+
+def record_dispatching_threads(
+    conn: drainer_amqp.Connection, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(thread name, method signatures) of every batch of frames dispatched."""
+    seen: list[tuple[str, list[tuple[int, int]]]] = []
+    dispatch = conn.dispatch_frames
+
+    def recorded(frames: list[Any]) -> None:
+        sigs = [(f[2][0] << 8 | f[2][1], f[2][2] << 8 | f[2][3]) for f in frames if f[0] == 1]
+        seen.append((threading.current_thread().name, sigs))
+        dispatch(frames)
+
+    monkeypatch.setattr(conn, "dispatch_frames", recorded)
+    return seen
+
+
+@pytest.fixture
+def broker() -> Iterator[FakeBroker]:
+    with fake_broker() as fake:
+        yield fake
+
+
+def test_a_thread_reads_its_own_confirms_and_the_main_thread_never_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    conn = connect("drainer")
+    queue = unique_name("drainer-borrow")
+    try:
+        seen = record_dispatching_threads(conn, monkeypatch)
+        channel = conn.channel()
+        channel.queue_declare(queue, auto_delete=True)
+
+        def publish() -> None:
+            for n in range(50):
+                channel.basic_publish_confirm(Message(b"%d" % n), routing_key=queue)
+
+        thread, result = run_in_thread(publish, "borrowing-publisher")
+        thread.join(JOIN)
+        assert not thread.is_alive() and result == [None], result
+        by_publisher = [sigs for name, sigs in seen if name == "borrowing-publisher"]
+        assert any(spec.Basic.Ack in sigs for sigs in by_publisher), seen
+        seen.clear()
+        for n in range(20):  # the main thread: read by the drainer thread
+            channel.basic_publish_confirm(Message(b"main-%d" % n), routing_key=queue)
+        assert seen and all(name.startswith("drainer-amqp-") for name, _ in seen), seen
+    finally:
+        conn.channel().queue_delete(queue)
+        conn.close()
+
+
+def test_a_reply_that_takes_longer_is_read_by_the_drainer_thread(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = connect("drainer", host=broker.hostport)
+    try:
+        seen = record_dispatching_threads(conn, monkeypatch)
+        channel = conn.channel()
+        thread, result = run_in_thread(lambda: channel.queue_declare("q"), "declaring")
+        assert broker.wait_for(spec.Queue.Declare)
+        # The reply comes once the borrower gave the socket back and sleeps.
+        assert wait_until_blocked(thread, {"queue_declare"})
+        assert not conn.reader._lent  # type: ignore[attr-defined]
+        broker.send(method(channel.channel_id, *DECLARE_OK))
+        thread.join(JOIN)
+        assert not thread.is_alive() and result and result[0].queue == "q", result
+        readers = [name for name, sigs in seen if spec.Queue.DeclareOk in sigs]
+        assert readers and readers[0].startswith("drainer-amqp-"), seen
+        assert conn.reader.stats()["running"]
+    finally:
+        conn.close()
+
+
+def test_a_bad_frame_a_borrower_reads_fails_every_waiter(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(drainer, "BORROW_FOR", JOIN)  # the declaring thread reads it
+    conn = connect("drainer", host=broker.hostport)
+    try:
+        first, second = conn.channel(), conn.channel()
+        borrower, borrowed = run_in_thread(lambda: first.queue_declare("a"), "borrower")
+        assert broker.wait_for(spec.Queue.Declare)
+        sleeper, slept = run_in_thread(lambda: second.queue_declare("b"), "sleeper")
+        assert broker.wait_for(spec.Queue.Declare, 2)
+        assert wait_for_lent(conn)
+        sent = broker.send(frame(1, 0, b"\x00\x0a", end=0x00))  # a bad frame-end byte
+        for thread in (borrower, sleeper):
+            thread.join(JOIN)
+            assert not thread.is_alive()
+        took = time.monotonic() - sent
+        for outcome in (borrowed, slept):
+            assert outcome and isinstance(outcome[0], drainer_amqp.Transport.connection_errors)
+        assert took < 1.0, f"the waiters learned of the bad frame after {took:.2f}s"
+        assert isinstance(conn.reason, drainer_amqp.ConnectionLost), conn.reason
+    finally:
+        conn.collect()
+
+
+def test_close_while_a_thread_reads_its_reply_does_not_wait_for_it(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(drainer, "BORROW_FOR", JOIN)
+    conn = connect("drainer", host=broker.hostport)
+    channel = conn.channel()
+    thread, result = run_in_thread(lambda: channel.queue_declare("q"), "borrower")
+    assert broker.wait_for(spec.Queue.Declare)
+    assert wait_for_lent(conn)
+    start = time.monotonic()
+    conn.close()
+    took = time.monotonic() - start
+    thread.join(JOIN)
+    assert not thread.is_alive()
+    assert result and isinstance(result[0], drainer_amqp.ConnectionClosedIntentionally), result
+    assert took < 2.0, f"close() took {took:.2f}s"
+    assert not conn.reader.stats()["running"]
+
+
+def wait_for_lent(conn: drainer_amqp.Connection) -> bool:
+    """Whether a caller's thread took the socket's reading within JOIN."""
+    deadline = time.monotonic() + JOIN
+    while time.monotonic() < deadline:
+        if conn.reader._lent:  # type: ignore[attr-defined]
+            return True
+        time.sleep(0.001)
+    return False
