@@ -1,9 +1,10 @@
 """A WSGI app for gunicorn's ``gthread`` worker: one kombu connection per process.
 
-Every request publishes one message (with a publisher confirm) to ``APP_QUEUE``. All
-request threads of a worker share one kombu connection; each thread publishes on its own
-channel (a thread-local ``Producer``). A consumer thread drains the same connection
-(``drain_events(timeout=1)`` in a loop), consuming a per-process queue of control events.
+Every request publishes one message (with a publisher confirm, unless ``APP_CONFIRMS=0``)
+to ``APP_QUEUE``. All request threads of a worker share one kombu connection; each thread
+publishes on its own channel (a thread-local ``Producer``). A consumer thread drains the
+same connection (``drain_events(timeout=1)`` in a loop), consuming a per-process queue of
+control events.
 
 In legacy mode (``DRAINER_MODE=legacy``) that consumer holds the socket for up to its
 drain timeout, so a request's publish may wait up to 1 s; in drainer mode
@@ -13,11 +14,12 @@ publishes never wait behind the consumer.
 For comparison (the benchmarks use them), three more modes:
 
 * ``stock-lock``: a stock kombu connection (kombu's pyamqp transport) shared behind one
-  ``threading.RLock``, held around each publish (with its confirm wait) and around each
-  of the consumer's reads; the consumer reads for at most ``LOCKED_DRAIN_TIMEOUT`` at a
-  time, so a publish waits at most that long behind it;
+  ``threading.RLock``, held around each publish (with its confirm wait, if any) and around
+  each of the consumer's reads; the consumer reads for at most ``LOCKED_DRAIN_TIMEOUT`` at
+  a time, so a publish waits at most that long behind it;
 * ``amqpstorm``: one amqpstorm connection (its own IO thread), a channel per request
-  thread with ``confirm_deliveries()``, and a consumer thread in ``start_consuming()``;
+  thread with ``confirm_deliveries()`` (without it when ``APP_CONFIRMS=0``), and a
+  consumer thread in ``start_consuming()``;
 * ``none``: no AMQP at all; ``/publish`` only answers (the baseline).
 
 Run (from the repository root)::
@@ -30,6 +32,11 @@ Environment:
 ``DRAINER_MODE``  ``drainer`` (default), ``legacy``, ``stock-lock``, ``amqpstorm`` or ``none``.
 ``AMQP_URL``      broker URL (default ``amqp://guest:guest@127.0.0.1:5672//``).
 ``APP_QUEUE``     queue the requests publish to; declared on start, never deleted here.
+``APP_CONFIRMS``  ``1`` (default): each publish waits for its publisher confirm, so a
+                  request answers ``200`` only once the broker has the message; ``0``: no
+                  confirms in any mode (kombu's ``confirm_publish`` off; amqpstorm's
+                  channels without ``confirm_deliveries()``), a ``200`` once the message
+                  is handed to the connection.
 ``PRELOAD_CONNECT=1``  also connect at import time and declare the queue, so that with
                   ``--preload`` the gunicorn master has a live connection (and a running
                   drainer thread) when it forks the workers (drainer and legacy modes).
@@ -37,7 +44,8 @@ Environment:
                   itself on first use.
 
 Endpoints: ``GET /publish`` (publish one message, ``200 published by <pid>``) and
-``GET /health`` (connect if needed; JSON with the pid, the mode and the drainer's state).
+``GET /health`` (connect if needed; JSON with the pid, the mode, ``confirms`` and the
+drainer's state).
 """
 
 from __future__ import annotations
@@ -65,6 +73,10 @@ if MODE not in MODES:
     raise ValueError(f"DRAINER_MODE must be one of {MODES}, not {MODE!r}")
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 QUEUE = os.environ.get("APP_QUEUE", "gunicorn-example")
+_CONFIRMS = os.environ.get("APP_CONFIRMS", "1")
+if _CONFIRMS not in ("0", "1"):
+    raise ValueError(f"APP_CONFIRMS must be 0 or 1, not {_CONFIRMS!r}")
+CONFIRMS = _CONFIRMS == "1"  # publisher confirms on every publish
 DRAIN_TIMEOUT = 1.0  # the consumer thread's drain_events(timeout=...)
 LOCKED_DRAIN_TIMEOUT = 0.05  # stock-lock: the consumer's read under the lock
 HEARTBEAT = 10
@@ -74,11 +86,12 @@ def connect(role: str) -> kombu.Connection:
     """A kombu connection, connected, the work queue declared: on drainer-amqp's
     transport, or kombu's stock one in ``stock-lock`` mode.
 
-    Publishes are confirmed (``confirm_publish``): a request answers ``200`` only once the
-    broker has the message. The connection is named after the process, so it can be
-    found on the broker (``rabbitmqctl list_connections user_provided_name``)."""
+    Publishes are confirmed (``confirm_publish``) unless ``APP_CONFIRMS=0``: a request
+    answers ``200`` only once the broker has the message. The connection is named after
+    the process, so it can be found on the broker
+    (``rabbitmqctl list_connections user_provided_name``)."""
     options: dict[str, Any] = {
-        "confirm_publish": True,
+        "confirm_publish": CONFIRMS,
         "client_properties": {"connection_name": f"{QUEUE}:{role}:{os.getpid()}"},
     }
     if MODE == "stock-lock":
@@ -174,6 +187,7 @@ class ProcessState:
         return {
             "pid": self.pid,
             "mode": MODE,
+            "confirms": CONFIRMS,
             "connected": bool(raw.connected),
             "drainer_running": bool(stats.get("running")),
             "consumer_alive": self.consumer_thread.is_alive(),
@@ -193,9 +207,9 @@ class ProcessState:
 
 
 class AmqpstormState:
-    """``amqpstorm`` mode: one amqpstorm connection per process, a confirming channel
-    per request thread, and a consumer thread in ``start_consuming()`` (the same
-    lifecycle as :class:`ProcessState`)."""
+    """``amqpstorm`` mode: one amqpstorm connection per process, a channel per request
+    thread (confirming unless ``APP_CONFIRMS=0``), and a consumer thread in
+    ``start_consuming()`` (the same lifecycle as :class:`ProcessState`)."""
 
     def __init__(self) -> None:
         import amqpstorm
@@ -226,15 +240,18 @@ class AmqpstormState:
         channel = getattr(self.local, "channel", None)
         if channel is None:
             channel = self.conn.channel()
-            channel.confirm_deliveries()
+            if CONFIRMS:
+                channel.confirm_deliveries()
             self.local.channel = channel
-        if not channel.basic.publish(body, routing_key=QUEUE):
+        confirmed = channel.basic.publish(body, routing_key=QUEUE)  # None without confirms
+        if CONFIRMS and not confirmed:
             raise RuntimeError("the broker did not confirm the message")
 
     def health(self) -> dict[str, Any]:
         return {
             "pid": self.pid,
             "mode": MODE,
+            "confirms": CONFIRMS,
             "connected": bool(self.conn.is_open),
             "consumer_alive": self.consumer_thread.is_alive(),
             "inherited_connected": inherited_connected(),
@@ -303,7 +320,7 @@ def _handle(path: str) -> Response:
     if MODE == "none" and path == "/publish":  # the no-AMQP baseline
         return "200 OK", [("Content-Type", "text/plain")], f"answered by {os.getpid()}\n".encode()
     if MODE == "none" and path == "/health":
-        body = json.dumps({"pid": os.getpid(), "mode": MODE}).encode()
+        body = json.dumps({"pid": os.getpid(), "mode": MODE, "confirms": CONFIRMS}).encode()
         return "200 OK", [("Content-Type", "application/json")], body
     if path == "/publish":
         st = state()

@@ -1,27 +1,33 @@
 """Benchmark C: gunicorn ``gthread`` app against no AMQP and other clients.
 
-The example app (examples/gunicorn_app.py) publishes one confirmed message per request,
-all request threads of the worker sharing one connection (a channel each). gunicorn runs
-with ``-k gthread --threads 16 -w 1``; the load is 20 concurrent HTTP connections for
-``DURATION`` s per mode. Modes (the app's ``DRAINER_MODE``), in ABBA order over
+The example app (examples/gunicorn_app.py) publishes one message per request, all request
+threads of the worker sharing one connection (a channel each): with a publisher confirm
+(the app's ``APP_CONFIRMS=1``, report section ``gunicorn``) and without
+(``APP_CONFIRMS=0``, section ``gunicorn_no_confirms``). gunicorn runs with
+``-k gthread --threads 16 -w 1``; the load is 20 concurrent HTTP connections for
+``DURATION`` s per run. Modes (the app's ``DRAINER_MODE``), each publishing mode with
+confirms and without (the two runs next to each other), in ABBA order over
 ``DRAINER_BENCH_GUNICORN_ROUNDS`` rounds (default 1):
 
-* ``none``: the same app without AMQP (the baseline every row is divided by);
+* ``none``: the same app without AMQP (once per round: it does not publish; the
+  baseline every row of both sections is divided by);
 * ``drainer`` / ``legacy``: kombu on drainer_amqp's transport, an idle consumer thread on
   the same connection in ``drain_events(timeout=1)``;
 * ``stock-lock``: a stock kombu connection behind one RLock, the idle consumer reading
   under that lock 50 ms at a time;
-* ``amqpstorm``: one amqpstorm connection, a confirming channel per thread, an idle
-  consumer thread in ``start_consuming()``.
+* ``amqpstorm``: one amqpstorm connection, a channel per thread (confirming, or not), an
+  idle consumer thread in ``start_consuming()``.
 
 Load generator: ``wrk`` (Debian: ``apt-get install -y wrk``) with a Lua ``done()`` hook
 that prints the exact latency percentiles; without ``wrk`` a Python client with 20
 threads (``time.perf_counter()`` per request, one keep-alive connection per thread; forced
 with ``DRAINER_BENCH_CLIENT=python``). The report says which one ran.
 
-Hard checks (the figures themselves are only reported): every answer was a 200 (no
-socket errors), every answered request's message is in the queue, drainer mode answered
-every request within the 30 s request timeout (legacy's timeouts are only reported).
+Hard checks, with confirms and without (the figures themselves are only reported): every
+answer was a 200 (no socket errors), every answered request's message is in the queue
+(without confirms: within a few seconds of the load's end, the broker may still be taking
+the last ones in), drainer mode answered every request within the 30 s request timeout
+(legacy's timeouts are only reported).
 
 This file is named ``bench_*.py``: run it with
 ``pytest -m benchmark -s tests/benchmarks/bench_gunicorn.py``.
@@ -43,21 +49,28 @@ from dataclasses import dataclass, field
 
 import amqp
 import pytest
-from support.broker import BROKER_HOST, unique_name
+from support.broker import BROKER_HOST, unique_name, wait_until
 from support.gunicorn import Gunicorn, health_by_pid
 
 from benchmarks import QUICK
 from benchmarks.report import Collector, Section, Target, fmt_ms, fmt_ratio, percentile, ratio
 
-# Seconds of load per mode and round. Quick: long enough for legacy mode, whose publishes
-# wait for the idle consumer's 1-s reads (as stock py-amqp's), to finish a few requests.
-DURATION = 4 if QUICK else 8
+# Seconds of load per run (mode, confirms or not) and round. Quick: long enough for legacy
+# mode, whose publishes wait for the idle consumer's 1-s reads (as stock py-amqp's), to
+# finish a few requests (without confirms about 10 a second, each taking up to 3 s).
+DURATION = 3 if QUICK else 5
 ROUNDS = int(os.environ.get("DRAINER_BENCH_GUNICORN_ROUNDS", "1"))
 CONCURRENCY = 20
 WORKERS, THREADS = 1, 16
 MODES = ("none", "drainer", "legacy", "stock-lock", "amqpstorm")
 LABELS = {"none": "no AMQP", "stock-lock": "stock+lock"}  # the report's client names
+# One round's runs: the baseline once (it does not publish), then every publishing mode
+# with confirms and without; odd rounds run them in reverse (ABBA).
+RUNS: tuple[tuple[str, bool | None], ...] = (("none", None),) + tuple(
+    (mode, confirms) for mode in MODES[1:] for confirms in (True, False)
+)
 REQUEST_TIMEOUT = 30  # seconds; a slower request counts as a timeout, not a latency
+SETTLE_TIMEOUT = 10.0  # seconds: without confirms, for the answered messages to be queued
 
 WRK_SCRIPT = """
 done = function(summary, latency, requests)
@@ -74,6 +87,7 @@ end
 @dataclass
 class Run:
     mode: str
+    confirms: bool | None  # None: the no-AMQP baseline
     client: str
     requests: int  # answered with 200
     errors: int  # socket errors and non-200 answers
@@ -99,7 +113,7 @@ def wrk_command(port: int, script: str) -> list[str]:
     ]  # fmt: skip
 
 
-def load_with_wrk(mode: str, port: int, script: str) -> Run:
+def load_with_wrk(mode: str, confirms: bool | None, port: int, script: str) -> Run:
     out = subprocess.run(
         wrk_command(port, script),
         capture_output=True,
@@ -113,6 +127,7 @@ def load_with_wrk(mode: str, port: int, script: str) -> Run:
     errors = r["connect"] + r["read"] + r["write"] + r["status"]
     return Run(
         mode=mode,
+        confirms=confirms,
         client="wrk",
         # wrk counts every completed response in "requests", non-2xx ones too
         requests=r["requests"] - r["status"],
@@ -127,7 +142,7 @@ def load_with_wrk(mode: str, port: int, script: str) -> Run:
     )
 
 
-def load_with_python(mode: str, port: int) -> Run:
+def load_with_python(mode: str, confirms: bool | None, port: int) -> Run:
     """20 threads, each on one keep-alive connection, for DURATION seconds."""
     latencies: list[list[float]] = [[] for _ in range(CONCURRENCY)]
     errors = [0] * CONCURRENCY
@@ -174,6 +189,7 @@ def load_with_python(mode: str, port: int) -> Run:
     flat = [x for per in latencies for x in per]
     return Run(
         mode=mode,
+        confirms=confirms,
         client="python",
         requests=len(flat),
         errors=sum(errors),
@@ -220,18 +236,34 @@ def wrk_script() -> Iterator[str | None]:
         os.unlink(f.name)
 
 
-def one_run(mode: str, wrk_script: str | None) -> Run:
+def one_run(mode: str, confirms: bool | None, wrk_script: str | None) -> Run:
     queue = unique_name(f"bench-gunicorn-{mode}")
-    server = Gunicorn(mode, queue, workers=WORKERS, threads=THREADS, preload_connect=False)
+    server = Gunicorn(
+        mode,
+        queue,
+        workers=WORKERS,
+        threads=THREADS,
+        preload_connect=False,
+        confirms=confirms is not False,
+    )
     try:
         server.wait_ready()
-        health_by_pid(server, WORKERS)  # every worker has connected before the load
+        health = health_by_pid(server, WORKERS)  # every worker has connected before the load
+        assert all(h["confirms"] is (confirms is not False) for h in health.values()), health
         warm = message_count(queue) if mode != "none" else 0
         if wrk_script is not None:
-            run = load_with_wrk(mode, server.port, wrk_script)
+            run = load_with_wrk(mode, confirms, server.port, wrk_script)
         else:
-            run = load_with_python(mode, server.port)
-        answered = message_count(queue) - warm if mode != "none" else run.requests
+            run = load_with_python(mode, confirms, server.port)
+        if mode == "none":
+            answered = run.requests
+        elif confirms:  # each 200 was sent after the broker confirmed its message
+            answered = message_count(queue) - warm
+        else:  # each 200 was sent once its message was handed to the connection
+            wait_until(
+                lambda: message_count(queue) - warm >= run.requests, SETTLE_TIMEOUT, interval=0.1
+            )
+            answered = message_count(queue) - warm
         # Requests in flight when the load stopped may still publish: count after stopping.
         server.stop()
         assert server.process.returncode == 0, server.output()
@@ -250,38 +282,20 @@ def median(values: list[float]) -> float:
     return percentile(values, 50) if values else math.nan
 
 
-@pytest.mark.benchmark
-def test_gunicorn_gthread_against_other_clients(
-    wrk_script: str | None, bench_report: Collector
-) -> None:
-    began = time.perf_counter()
-    runs: list[Run] = []
-    for i in range(ROUNDS):
-        for mode in MODES if i % 2 == 0 else MODES[::-1]:
-            runs.append(one_run(mode, wrk_script))
-    if wrk_script is not None:
-        command = " ".join(wrk_command(0, "<done-hook.lua>")).replace(":0/", ":<port>/")
-    else:
-        command = f"Python client, {CONCURRENCY} threads, keep-alive, perf_counter per request"
-
-    for r in runs:
-        assert r.requests > 0, r
-        assert r.errors == 0, r  # every answer was a 200: each publish was confirmed
-        # Each 200 was sent after its publish was confirmed; requests still in flight at
-        # the end (one per client connection) or abandoned after a timeout may have
-        # published without being counted.
-        assert r.requests <= r.queued <= r.requests + r.timeouts + CONCURRENCY, r
-    # Drainer mode answers every request in time; the others' timeouts are only reported.
-    assert all(r.timeouts == 0 for r in runs if r.mode == "drainer"), runs
+def section_of(runs: list[Run], confirms: bool, command: str, seconds: float) -> Section:
+    """The report section of the runs with (``confirms``) or without publisher confirms;
+    the no-AMQP baseline's runs are in both."""
+    mine = [r for r in runs if r.confirms in (None, confirms)]
 
     def of(mode: str, attr: str) -> float:
-        return median([getattr(r, attr) for r in runs if r.mode == mode])
+        return median([getattr(r, attr) for r in mine if r.mode == mode])
 
     base_rate = of("none", "rate")
     rows = []
     results = []
     for mode in MODES:
         rate = of(mode, "rate")
+        timeouts = sum(r.timeouts for r in mine if r.mode == mode)
         rows.append(
             [
                 LABELS.get(mode, mode),
@@ -291,7 +305,7 @@ def test_gunicorn_gthread_against_other_clients(
                 fmt_ms(of(mode, "p95")),
                 fmt_ms(of(mode, "p99")),
                 fmt_ms(of(mode, "max")),
-                str(sum(r.timeouts for r in runs if r.mode == mode)),
+                str(timeouts),
                 "" if mode == "drainer" else fmt_ratio(ratio(of("drainer", "rate"), rate)),
             ]
         )
@@ -301,19 +315,56 @@ def test_gunicorn_gthread_against_other_clients(
                 "req_s": rate,
                 "vs_no_amqp": ratio(rate, base_rate),
                 **{q: of(mode, q) for q in ("p50", "p95", "p99", "max")},
-                "timeouts": sum(r.timeouts for r in runs if r.mode == mode),
-                "rounds_req_s": [r.rate for r in runs if r.mode == mode],
+                "timeouts": timeouts,
+                "rounds_req_s": [r.rate for r in mine if r.mode == mode],
             }
         )
-    dr_rel = ratio(of("drainer", "rate"), base_rate)
-    dr_vs_storm = ratio(of("drainer", "rate"), of("amqpstorm", "rate"))
-    targets = [
-        Target("drainer req/s / no-AMQP req/s", fmt_ratio(dr_rel), ">= 0.8x", dr_rel >= 0.8),
-        Target("drainer req/s / amqpstorm req/s", fmt_ratio(dr_vs_storm), "> 1x", dr_vs_storm > 1),
+    common = [
+        f"gunicorn -k gthread --threads {THREADS} -w {WORKERS}; {CONCURRENCY} concurrent "
+        f"keep-alive connections for {DURATION} s per app and round, {ROUNDS} round(s) "
+        f"(ABBA order; every app with confirms and without, next to each other, the no-AMQP "
+        f"app once per round); median over rounds. Load: {command}.",
     ]
-    section = Section(
-        key="gunicorn",
-        title="C. gunicorn gthread (1 worker x 16 threads), one confirmed publish per request",
+    if confirms:
+        dr_rel = ratio(of("drainer", "rate"), base_rate)
+        dr_vs_storm = ratio(of("drainer", "rate"), of("amqpstorm", "rate"))
+        targets = [
+            Target("drainer req/s / no-AMQP req/s", fmt_ratio(dr_rel), ">= 0.8x", dr_rel >= 0.8),
+            Target(
+                "drainer req/s / amqpstorm req/s", fmt_ratio(dr_vs_storm), "> 1x", dr_vs_storm > 1
+            ),
+        ]
+        key = "gunicorn"
+        title = "C. gunicorn gthread (1 worker x 16 threads), one confirmed publish per request"
+        notes = common + [
+            "Every request publishes one message with a publisher confirm to a queue of its "
+            "own per run (checked afterwards: every 200 has its message), on a channel of the "
+            "request thread; the no-AMQP app only answers.",
+            "Consumers: drainer/legacy have an idle consumer thread on the same connection in "
+            "drain_events(timeout=1); stock+lock's idle consumer reads under the shared lock "
+            "50 ms at a time (a 1-s read would stall every publish for up to 1 s, as in "
+            "legacy); amqpstorm's idle consumer thread runs start_consuming().",
+            "The load generator runs on the same 2 cores as gunicorn and the broker: the "
+            "no-AMQP baseline is limited by it as much as by the app.",
+            "Targets are reported, not asserted.",
+            "Wall time: the whole benchmark, this section's runs and those of the next one "
+            "(without confirms), interleaved.",
+        ]
+    else:
+        targets = []
+        key = "gunicorn_no_confirms"
+        title = "C. gunicorn gthread (1 worker x 16 threads), one publish per request, no confirms"
+        notes = common + [
+            "The same app, consumers and load as the confirmed section (measured in the same "
+            "runs, interleaved with it), but each publish is not confirmed (kombu's "
+            "confirm_publish off, amqpstorm's channels without confirm_deliveries()): a 200 "
+            "once the message is handed to the connection. Checked afterwards: every 200 has "
+            "its message in the queue.",
+            "The no-AMQP row is the same baseline runs as in the confirmed section.",
+        ]
+    return Section(
+        key=key,
+        title=title,
         headers=[
             "app",
             "req/s",
@@ -327,28 +378,43 @@ def test_gunicorn_gthread_against_other_clients(
         ],
         rows=rows,
         targets=targets,
-        notes=[
-            f"gunicorn -k gthread --threads {THREADS} -w {WORKERS}; {CONCURRENCY} concurrent "
-            f"keep-alive connections for {DURATION} s per app and round, {ROUNDS} round(s) "
-            f"(ABBA order); median over rounds. Load: {command}.",
-            "Every request publishes one message with a publisher confirm to a queue of its "
-            "own per run (checked afterwards: every 200 has its message), on a channel of the "
-            "request thread; the no-AMQP app only answers.",
-            "Consumers: drainer/legacy have an idle consumer thread on the same connection in "
-            "drain_events(timeout=1); stock+lock's idle consumer reads under the shared lock "
-            "50 ms at a time (a 1-s read would stall every publish for up to 1 s, as in "
-            "legacy); amqpstorm's idle consumer thread runs start_consuming().",
-            "The load generator runs on the same 2 cores as gunicorn and the broker: the "
-            "no-AMQP baseline is limited by it as much as by the app.",
-            "Targets are reported, not asserted.",
-        ],
+        notes=notes,
         raw={
             "duration_s": DURATION,
             "rounds": ROUNDS,
-            "client": "wrk" if wrk_script is not None else "python",
+            "confirms": confirms,
+            "client": "wrk" if command.startswith("wrk") else "python",
             "results": results,
-            "runs": [{k: v for k, v in vars(r).items() if k not in ("failures",)} for r in runs],
+            "runs": [{k: v for k, v in vars(r).items() if k not in ("failures",)} for r in mine],
         },
-        seconds=time.perf_counter() - began,
+        seconds=seconds,
     )
-    bench_report.add(section)
+
+
+@pytest.mark.benchmark
+def test_gunicorn_gthread_against_other_clients(
+    wrk_script: str | None, bench_report: Collector
+) -> None:
+    began = time.perf_counter()
+    runs: list[Run] = []
+    for i in range(ROUNDS):
+        for mode, confirms in RUNS if i % 2 == 0 else RUNS[::-1]:
+            runs.append(one_run(mode, confirms, wrk_script))
+    if wrk_script is not None:
+        command = " ".join(wrk_command(0, "<done-hook.lua>")).replace(":0/", ":<port>/")
+    else:
+        command = f"Python client, {CONCURRENCY} threads, keep-alive, perf_counter per request"
+
+    for r in runs:
+        assert r.requests > 0, r
+        assert r.errors == 0, r  # every answer was a 200: each publish succeeded
+        # Each 200 was sent after its publish was confirmed (or, without confirms, handed to
+        # the connection); requests still in flight at the end (one per client connection)
+        # or abandoned after a timeout may have published without being counted.
+        assert r.requests <= r.queued <= r.requests + r.timeouts + CONCURRENCY, r
+    # Drainer mode answers every request in time; the others' timeouts are only reported.
+    assert all(r.timeouts == 0 for r in runs if r.mode == "drainer"), runs
+
+    seconds = time.perf_counter() - began
+    bench_report.add(section_of(runs, True, command, seconds))
+    bench_report.add(section_of(runs, False, command, 0.0))

@@ -42,7 +42,8 @@ class Gunicorn:
     """A gunicorn master running the example app, started and stopped by the test.
 
     It runs in a session of its own, so a test that fails can end the master and its
-    workers together (by that process group's id)."""
+    workers together (by that process group's id). ``confirms=False`` runs the app
+    without publisher confirms (``APP_CONFIRMS=0``)."""
 
     _control_flag: bool | None = None
 
@@ -54,6 +55,7 @@ class Gunicorn:
         workers: int = 2,
         threads: int = 8,
         preload_connect: bool = True,
+        confirms: bool = True,
         extra_env: dict[str, str] | None = None,
     ) -> None:
         if Gunicorn._control_flag is None:
@@ -76,6 +78,7 @@ class Gunicorn:
             AMQP_URL=f"amqp://guest:guest@{BROKER_HOST}//",
             APP_QUEUE=queue,
             PRELOAD_CONNECT="1" if preload_connect else "0",
+            APP_CONFIRMS="1" if confirms else "0",
             PYTHONUNBUFFERED="1",
             **(extra_env or {}),
         )
