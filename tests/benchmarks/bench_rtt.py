@@ -159,10 +159,10 @@ def run_publish(name: str, routing_key: str, hostport: str) -> list[float]:
 
 def confirms(run: Callable[..., float], *args: object) -> Callable[[str], list[float]]:
     """Rows 2-3: one of benchmark G's runs (``bench_confirms``) on a network, for
-    ``WINDOW`` s; [msg/s]."""
+    ``WINDOW`` s, in a thread of its own as G runs it; [msg/s]."""
 
     def measure(hostport: str) -> list[float]:
-        return [run(*args, host=hostport, window=WINDOW)]
+        return [bench_confirms.in_a_thread(partial(run, *args, host=hostport, window=WINDOW))]
 
     return measure
 
