@@ -160,6 +160,8 @@ class Drainer:
         ready; ``TimeoutError`` at ``deadline``. The caller reads its own reply while the
         thread is idle (see the module docstring), else sleeps until the thread's read
         fills it."""
+        if awaitable.ready():
+            return
         if self.thread is not None and self._sock.fileno() == -1 and self.thread.is_alive():
             self.wake()  # someone closed the socket under us: the thread reports it
         if not closing and self._borrow(awaitable, deadline):
@@ -170,12 +172,11 @@ class Drainer:
 
     def _may_borrow(self, awaitable: Awaitable) -> bool:
         return (
-            not self._tls
+            getattr(awaitable, "waiter_reads", True)
+            and self.thread is not None  # started: _sock and _tls are set
+            and not self._tls
             and not self._stopping
-            and self.thread is not None
             and threading.current_thread() is not threading.main_thread()
-            and getattr(awaitable, "waiter_reads", True)
-            and not awaitable.ready()
         )
 
     def _borrow(self, awaitable: Awaitable, deadline: float | None) -> bool:
@@ -270,11 +271,13 @@ class Drainer:
         holding = True  # this thread holds _reading
         while not self._stopping:
             paused = self._sink.reading_paused()
-            with self._watch_lock:
-                self._wanted = (0 if paused else selectors.EVENT_READ) | (
-                    selectors.EVENT_WRITE if flushing else 0
-                )
-                self._register()
+            wanted = (0 if paused else selectors.EVENT_READ) | (
+                selectors.EVENT_WRITE if flushing else 0
+            )
+            if wanted != self._wanted:  # only this thread changes it
+                with self._watch_lock:
+                    self._wanted = wanted
+                    self._register()
             if paused:
                 self._last_recv = monotonic()  # the silence is ours, not the broker's
             # A socket closed by someone else vanishes from the selector without an
