@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create the environment and run the benchmarks (the README's first command): the
 # drainer against legacy mode, and against stock kombu/py-amqp, pika, aio-pika and
-# amqpstorm, in the same run. About nine minutes here (2 cores), install included; each
-# benchmark says as it starts how long it usually takes and how long is left.
+# amqpstorm, in the same run. About eight and a half minutes here (2 cores), install
+# included; each benchmark says as it starts how long it usually takes and how long is
+# left.
 # Opt-in, one variable each:
 #   DRAINER_BENCH_CLUSTER=1  benchmarks F (failover) and J (confirms on a quorum queue):
 #                            a three-node cluster of our own, about four minutes more
