@@ -9,6 +9,8 @@ sends the reply, so a wait can be made to last.
 
 from __future__ import annotations
 
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -151,3 +153,50 @@ def wait_for_lent(conn: drainer_amqp.Connection) -> bool:
             return True
         time.sleep(0.001)
     return False
+
+
+def test_the_drainer_never_blocks_on_what_a_borrower_read(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drainer's select sees the socket readable; before it reads, a waiting thread
+    borrows the socket and reads those bytes. The drainer must not then block in a read
+    (collect() would wait for it to stop until its deadline)."""
+    saw_readable, go_on = threading.Event(), threading.Event()
+    armed, back_in_select = threading.Event(), threading.Event()
+
+    class GatedSelector(selectors.DefaultSelector):  # type: ignore[misc, valid-type]
+        def select(self, timeout: float | None = None) -> list[Any]:
+            if go_on.is_set():
+                back_in_select.set()
+            ready = super().select(timeout)
+            socket_ready = any(
+                isinstance(key.fileobj, socket.socket) and events & selectors.EVENT_READ
+                for key, events in ready
+            )
+            if armed.is_set() and socket_ready and not saw_readable.is_set():
+                saw_readable.set()
+                assert go_on.wait(JOIN)
+            return ready
+
+    monkeypatch.setattr(drainer.selectors, "DefaultSelector", GatedSelector)
+    conn = connect("drainer", host=broker.hostport)
+    try:
+        channel = conn.channel()
+        armed.set()
+        broker.send(frame(8, 0, b""))  # a heartbeat: the drainer's select sees it
+        assert saw_readable.wait(JOIN)
+        thread, result = run_in_thread(lambda: channel.queue_declare("q"), "borrower")
+        assert wait_until_blocked(thread, {"queue_declare"})  # it borrowed, then slept
+        assert conn.reader._borrows == 1  # type: ignore[attr-defined]
+        go_on.set()
+        assert back_in_select.wait(JOIN), "the drainer blocked reading what a borrower took"
+        start = time.monotonic()
+        conn.collect()
+        took = time.monotonic() - start
+        thread.join(JOIN)
+        assert not thread.is_alive()
+        assert took < 2.0, f"collect() waited {took:.2f}s for the drainer to stop"
+        assert not conn.reader.stats()["running"]
+    finally:
+        go_on.set()
+        conn.collect()

@@ -45,6 +45,7 @@ __all__ = ["Drainer", "DrainerStats", "DrainerSink"]
 READ_SIZE = 256 * 1024
 #: How often an idle drainer checks that its socket still exists (seconds).
 CHECK_CLOSED = 2.0
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 #: How long a waiting caller's thread reads the socket itself before it gives it back
 #: to the drainer thread and sleeps (seconds): a confirm or a reply from a healthy
 #: broker comes well within it.
@@ -290,7 +291,7 @@ class Drainer:
                 readable = True  # decrypted bytes that select cannot see
             else:
                 readable = False
-                borrows = self._borrows
+                trusted, borrows = holding, self._borrows  # no borrow under way now
                 if holding and not self._tls:
                     self._reading.release()  # a waiting caller may read meanwhile
                     holding = False
@@ -300,9 +301,9 @@ class Drainer:
                     elif ready & selectors.EVENT_READ:
                         readable = True
                 holding = holding or self._reading.acquire(blocking=False)
-                # A caller that read meanwhile may have taken what select saw: the
-                # socket would block. The next select tells.
-                readable = readable and holding and self._borrows == borrows
+                # A caller that read meanwhile (or was reading) may have taken what
+                # select saw: the next select tells.
+                readable = readable and trusted and holding and self._borrows == borrows
             if self._stopping:
                 return
             if self._borrow_error is not None:
@@ -330,7 +331,10 @@ class Drainer:
 
     def _read(self) -> bool:
         """Read what is available without blocking; dispatch complete frames."""
-        data = self._recv_tls() if self._tls else self._sock.recv(READ_SIZE)
+        try:  # never blocks: a readiness may be stale (see _loop)
+            data = self._recv_tls() if self._tls else self._sock.recv(READ_SIZE, _DONTWAIT)
+        except BlockingIOError:
+            return False
         if data is None:  # TLS record not complete yet
             return False
         if not data:
