@@ -93,7 +93,7 @@ def test_close_after_a_reset_is_quiet(proxied_broker: Any, mode: str, no_leaks: 
     proxied_broker.proxy.add_toxic(type="reset_peer", attributes={"timeout": 0})
     with pytest.raises((ConnectionLost, OSError, AMQPError)):
         for _ in range(50):
-            channel.queue_declare(unique_name(), auto_delete=True)
+            channel.queue_declare(unique_name(), exclusive=True)  # goes with the connection
     channel.close()
     conn.close()
 
