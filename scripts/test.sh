@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 logs=$PWD/.test-logs
 rm -rf "$logs" && mkdir -p "$logs"
 begun=$(date +%s)
-left=575 # seconds the steps below usually take in all; each one subtracts its own
+left=535 # seconds the steps below usually take in all; each one subtracts its own
 failed=()
 
 # step NAME USUAL LOG COMMAND...: run COMMAND, its output to LOG; say when it overruns.
@@ -86,14 +86,14 @@ beside_the_suite() {
 
 step "install (.venv, the project and its test extras)" 40 install install
 [ ${#failed[@]} = 0 ] || exit 1
-step "ruff, mypy, the docs build, the package check" 25 checks checks
+step "ruff, mypy, the docs build, the package check" 15 checks checks
 
 # The suite in the foreground; the matrix and the peer suites beside it.
 echo "== beside the suite: the version matrix, then the peer suites (log: $logs/beside.log)"
 beside_start=$(date +%s)
 beside_the_suite >"$logs/beside.log" 2>&1 &
 beside=$!
-step "the test suite (the matrix and the peer suites run beside it)" 430 suite \
+step "the test suite (the matrix and the peer suites run beside it)" 400 suite \
   .venv/bin/python -m pytest -q --durations=25 "$@"
 if kill -0 "$beside" 2>/dev/null; then
   echo "== waiting for the version matrix and the peer suites"

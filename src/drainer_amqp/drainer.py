@@ -182,8 +182,9 @@ class Drainer:
 
     def _borrow(self, awaitable: Awaitable, deadline: float | None) -> bool:
         """Read the socket in this thread, while the thread sleeps, until ``awaitable`` is
-        ready (True) or for ``BORROW_FOR``; ``TimeoutError`` at ``deadline``. False when
-        it may not, or its reply did not come in time: the caller then sleeps."""
+        ready (True) or for ``BORROW_FOR``, at most until ``deadline``. False when it may
+        not, or its reply did not come in time: the caller then sleeps (or, at its
+        deadline, raises)."""
         if not self._may_borrow(awaitable) or not self._reading.acquire(blocking=False):
             return False
         self._borrows += 1
@@ -200,8 +201,6 @@ class Drainer:
                 if self._stopping or self._sink.reading_paused():
                     return False
                 now = monotonic()
-                if deadline is not None and now >= deadline:
-                    raise TimeoutError()
                 left = until - now if deadline is None else min(until, deadline) - now
                 if left <= 0:
                     return False
