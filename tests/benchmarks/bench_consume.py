@@ -43,6 +43,7 @@ from amqp.serialization import dumps
 from support.broker import BROKER_HOST, unique_name
 
 from benchmarks import QUICK
+from benchmarks.bench_confirms import _pika_parameters
 from benchmarks.report import Collector, Section, fmt_ratio
 
 pytestmark = pytest.mark.benchmark
@@ -148,27 +149,12 @@ def filled_queue() -> Iterator[str]:
         conn.close()
 
 
-def _pika_parameters() -> Any:
-    """pika's connection parameters: guest, short timeouts, heartbeats to notice a hang."""
-    import pika
-
-    return pika.ConnectionParameters(
-        HOST,
-        PORT,
-        credentials=pika.PlainCredentials("guest", "guest"),
-        heartbeat=5,
-        socket_timeout=TIMEOUT,
-        stack_timeout=TIMEOUT,
-        blocked_connection_timeout=TIMEOUT,
-    )
-
-
 def run_pika(queue: str, no_ack: bool) -> dict[str, float]:
     """pika's BlockingConnection: a consumer callback, ``process_data_events``."""
     import pika
 
     span = Span("pika")
-    conn = pika.BlockingConnection(_pika_parameters())
+    conn = pika.BlockingConnection(_pika_parameters(BROKER_HOST))
     try:
         channel = conn.channel()
         if not no_ack:
