@@ -200,3 +200,40 @@ def test_the_drainer_never_blocks_on_what_a_borrower_read(
     finally:
         go_on.set()
         conn.collect()
+
+
+def test_a_borrower_at_its_deadline_gives_the_socket_back_and_times_out(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A confirm that never comes (the fake broker confirms nothing): the waiting thread
+    borrows the socket, and at its confirm_timeout gives it back and raises, well before
+    the borrow window ends; the drainer reads again."""
+    monkeypatch.setattr(drainer, "BORROW_FOR", JOIN)
+    conn = connect("drainer", host=broker.hostport)
+    try:
+        channel = conn.channel()
+        channel.confirm_select()
+
+        def publish() -> float:
+            start = time.monotonic()
+            try:
+                channel.basic_publish_confirm(Message(b"x"), routing_key="q", confirm_timeout=0.2)
+            except Exception:  # noqa: BLE001 - the timeout, whatever its type
+                return time.monotonic() - start
+            raise AssertionError("a confirm the broker never sent was reported")
+
+        thread, result = run_in_thread(publish, "borrower")
+        thread.join(JOIN)
+        assert not thread.is_alive()
+        assert result and isinstance(result[0], float), result
+        assert result[0] < 2.0, f"the publish timed out after {result[0]:.2f}s"
+        assert conn.reader._borrows >= 1  # type: ignore[attr-defined]
+        assert not conn.reader._lent  # type: ignore[attr-defined]
+        second = conn.channel()
+        thread, result = run_in_thread(lambda: second.queue_declare("q"), "declaring")
+        assert broker.wait_for(spec.Queue.Declare)
+        broker.send(method(second.channel_id, *DECLARE_OK))
+        thread.join(JOIN)
+        assert not thread.is_alive() and result and result[0].queue == "q", result
+    finally:
+        conn.collect()
