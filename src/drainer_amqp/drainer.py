@@ -218,11 +218,13 @@ class Drainer:
         except (OSError, ValueError):  # the socket was closed meanwhile: the thread reports
             return False
         finally:
-            with self._watch_lock:
-                self._lent = False
-                if self._selector is not None:
-                    self._register()
-            self._reading.release()
+            try:
+                with self._watch_lock:
+                    self._lent = False
+                    if self._selector is not None:
+                        self._register()
+            finally:
+                self._reading.release()
 
     def _register(self) -> None:
         """Under ``_watch_lock``: watch the socket for what the thread wants, less reading
