@@ -482,7 +482,9 @@ class Connection(amqp.Connection):
 
     def drainer_exited(self, error: BaseException | None) -> None:
         if error is not None:
-            self.end(self.as_connection_error(error))
+            # After close() wrote Connection.Close, the broker's end of stream (which may
+            # come before close() records its reason) is the close's, not a failure.
+            self.end(_closed_by_close() if self.is_closing else self.as_connection_error(error))
         if not isinstance(self.reason, ConnectionClosedIntentionally):
             self._close_socket()  # failed: let the socket go now (as end() does, by its reader)
         closed_ok = self._closed_ok
