@@ -423,7 +423,7 @@ def test_consumer_mixin_reconnects_after_a_real_failure(
         second = worker.live[1].connection
         assert second is not first and second.drainer_stats()["running"]
         publish_direct(admin, queue, "two")
-        assert worker.wait_for(lambda: worker.bodies == ["one", "two"])
+        assert worker.wait_for(lambda: worker.bodies == ["one", "two"]), worker.bodies
         assert runner.thread.is_alive() and runner.error is None
     finally:
         worker.should_stop = True

@@ -10,6 +10,7 @@ reaches a thread waiting in the writer at once.
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import sys
 import textwrap
@@ -479,7 +480,7 @@ def test_a_link_failure_loses_no_more_returned_publishes_than_the_kernel_held(
 
 
 ACKED_BEFORE_END = 300  # acks a consumer makes, then it ends the connection at once
-HELD_BACK = 20  # the last acks, which the drainer is kept from writing behind
+HELD_BACK = 20  # the last acks, made while the drainer is kept from writing behind
 PREFILLED = 600
 
 
@@ -492,6 +493,14 @@ def prefill(queue: str, n: int = PREFILLED) -> None:
         assert wait_until(
             lambda: channel.queue_declare(queue, passive=True).message_count == n, JOIN
         )
+    finally:
+        conn.close()
+
+
+def queue_size(queue: str) -> int:
+    conn = connect("drainer")
+    try:
+        return int(conn.channel().queue_declare(queue, passive=True).message_count)
     finally:
         conn.close()
 
@@ -514,15 +523,16 @@ def hold_back_writes(conn: drainer_amqp.Connection, held: threading.Event) -> No
     writer._start_flush = lambda: None if held.is_set() else start()  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("ending", ["close", "channel.close", "kombu release"])
+@pytest.mark.parametrize("ending", ["close", "channel.close", "kombu release", "link failure"])
 @pytest.mark.parametrize("mode", MODES)
 def test_every_ack_that_returned_is_applied_before_the_end(
     mode: str, ending: str, fresh_queue: str
 ) -> None:
-    """An ack returns before it is written (drainer mode writes it behind); whatever ends
-    the connection or the channel next comes after it on the wire. Acks made while
-    another thread publishes on the connection, then the last ones held back in the
-    writer's queue (the drainer kept from writing them) as the end comes."""
+    """An ack that returned is written: whatever ends the connection or the channel next
+    comes after it on the wire, and a link that fails right after it (the socket shut
+    down, which sends what the kernel holds) loses it no more than stock. Acks made while
+    another thread publishes on the connection, then the last ones with the drainer kept
+    from writing anything behind, as the end comes."""
     prefill(fresh_queue)
     acked: list[bytes] = []
     held = threading.Event()
@@ -580,6 +590,10 @@ def test_every_ack_that_returned_is_applied_before_the_end(
         elif ending == "channel.close":
             channel.close()
             drainer_conn.close()
+        elif ending == "link failure":
+            drainer_conn.sock.shutdown(socket.SHUT_RDWR)
+            # The broker requeues what was not acked once it sees the link end.
+            assert wait_until(lambda: queue_size(fresh_queue) >= PREFILLED - len(acked), JOIN)
         else:
             assert conn is not None
             conn.release()

@@ -49,8 +49,7 @@ _QUEUED = _QUEUED_BY_CONSUMER | {spec.Basic.Return}
 _EVENTS = {_ACK: "basic_ack", _NACK: "basic_nack"}
 #: Written on a channel the broker closed: the close handshake, and the reopening.
 _ALWAYS_WRITTEN = frozenset((spec.Channel.Open, spec.Channel.Close, spec.Channel.CloseOk))
-#: A consumer's settlements: written behind (in drainer mode on plain TCP), in order with
-#: everything else, so a consumer thread does not wait for its ack's write.
+#: A consumer's settlements: encoded directly (one struct), not by py-amqp's frame writer.
 _SETTLEMENTS = frozenset((spec.Basic.Ack, spec.Basic.Nack, spec.Basic.Reject))
 
 
@@ -95,13 +94,6 @@ def _settlement_frame(channel_id: int, sig: tuple[int, int], args: tuple[Any, ..
     tag, *flags = args
     bits = sum(1 << i for i, flag in enumerate(flags) if flag)
     return _SETTLEMENT_FRAME.pack(1, channel_id, 13, sig[0], sig[1], tag, bits, 0xCE)
-
-
-def _settlement_not_written(error: BaseException | None) -> None:
-    """An ack, nack or reject written behind was not written: its channel had closed or
-    the connection ended, so the broker requeues the message, as after a stock ack lost
-    in the kernel's buffer by a failed link."""
-    logger.debug("a settlement written behind was not written: %r", error)
 
 
 def _refused_behind(future: ConfirmFuture, error: BaseException | None) -> None:
@@ -318,7 +310,7 @@ class Channel(pyamqp.Channel):
         try:
             if sig in _SETTLEMENTS and not callback and channel_id is not None:
                 encoded = [_settlement_frame(channel_id, sig, args)]
-                self._write(conn, sig, None, None, encoded=encoded, behind=_settlement_not_written)
+                self._write(conn, sig, None, None, encoded=encoded)
             else:
                 self._write(conn, sig, dumps(format, args) if format else "", content)
             written = promise()  # as py-amqp's: fulfilled once written

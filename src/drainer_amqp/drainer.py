@@ -173,7 +173,8 @@ class Drainer:
 
     def _may_borrow(self, awaitable: Awaitable) -> bool:
         return (
-            getattr(awaitable, "waiter_reads", True)
+            BORROW_FOR > 0
+            and getattr(awaitable, "waiter_reads", True)
             and self.thread is not None  # started: _sock and _tls are set
             and not self._tls
             and not self._stopping

@@ -43,8 +43,8 @@ A thread with a complete message (all its frames, already encoded) calls
 the message is queued for the leader, or written at once when nobody is writing.
 
 **Written behind.** When the connection has a *flusher* (drainer mode on plain TCP: the
-drainer thread), ``send(behind=...)`` (a deferred publish, whose future is its promise;
-a consumer's ack, nack or reject) queues the message and returns at once, unwritten. A
+drainer thread), ``send(behind=...)`` (a deferred publish, whose future is its promise)
+queues the message and returns at once, unwritten. A
 leader that finds only such messages queued hands them to the flusher instead of writing
 them, so no caller writes for others without end; the flusher (:meth:`Writer.flush`)
 writes them without blocking, and keeps the lead while the socket takes them. Without a
