@@ -25,7 +25,7 @@ from support.publishing import connect
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
-from drainer_amqp.deferred import ConfirmFuture
+from drainer_amqp.deferred import ConfirmFuture, Window
 
 MODES = ["drainer", "legacy"]
 
@@ -427,6 +427,47 @@ def test_a_publish_waits_at_most_its_timeout_for_room(queue: str) -> None:
         assert channel.basic_publish_deferred(Message(b"y"), routing_key=queue).result(JOIN)
     finally:
         conn.close()
+
+
+def _enter_in_a_thread(window: Window) -> tuple[threading.Thread, list[bool]]:
+    """A publisher that waits for a slot of a full window; returns once it waits."""
+    got: list[bool] = []
+    waiting = len(window._turns)
+    thread = threading.Thread(target=lambda: got.append(window.enter(JOIN)))
+    thread.start()
+    assert wait_until(lambda: len(window._turns) == waiting + 1, JOIN)
+    return thread, got
+
+
+def test_a_full_window_gives_slots_in_arrival_order_once_an_eighth_is_free() -> None:
+    """Publishers waiting for a slot get them first come, first served, and only once
+    an eighth of the window is free: each then publishes a run, not one message per
+    slot freed (one wake-up per message with many publishing threads)."""
+    window = Window(80)
+    for _ in range(80):
+        assert window.enter(0)
+    (first, got_first), (second, got_second) = (
+        _enter_in_a_thread(window),
+        _enter_in_a_thread(window),
+    )
+    for _ in range(9):
+        window.leave()
+    assert window.used == 71 and len(window._turns) == 2 and not got_first + got_second
+    window.leave()  # 70 outstanding: an eighth is free
+    first.join(JOIN)
+    second.join(JOIN)
+    assert got_first == got_second == [True] and window.used == 72
+
+    small = Window(8)  # an eighth of 8 is one slot: a slot at a time, in arrival order
+    for _ in range(8):
+        assert small.enter(0)
+    (first, got_first), (second, got_second) = _enter_in_a_thread(small), _enter_in_a_thread(small)
+    small.leave()
+    first.join(JOIN)
+    assert got_first == [True] and not got_second and len(small._turns) == 1
+    small.leave()
+    second.join(JOIN)
+    assert got_second == [True] and small.used == 8
 
 
 def test_kombu_producer_publish_returns_the_future_and_ensure_does_not_republish(

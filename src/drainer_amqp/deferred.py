@@ -225,10 +225,15 @@ class _Turn:
 
 class Window:
     """At most ``size`` deferred confirms outstanding; beyond, :meth:`enter` waits in
-    arrival order. Any thread enters; the thread that settles a confirm leaves."""
+    arrival order. Any thread enters; the thread that settles a confirm leaves.
+
+    Once the window is full, waiting publishers (and watchers) are woken when an eighth
+    of it is free again, not slot by slot: each then publishes a run of messages,
+    instead of one wake-up per message freed."""
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self._refill_at = size - max(1, size // 8)  # hand slots over at or below this
         self._lock = threading.Lock()  # guards the four below; any thread
         self._changed = threading.Condition(self._lock)  # for wait() and room.wait()
         self.used = 0
@@ -267,10 +272,11 @@ class Window:
     def leave(self) -> None:
         with self._lock:
             self.used -= 1
-            if self._turns:
-                self._hand_over()
-            if self._watchers:
-                self._changed.notify_all()
+            if self.used <= self._refill_at:
+                if self._turns:
+                    self._hand_over()
+                if self._watchers:
+                    self._changed.notify_all()
 
     def _hand_over(self) -> None:
         while self._turns and self.used < self.size and not self._ended:

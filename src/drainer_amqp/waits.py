@@ -156,12 +156,13 @@ class Confirms:
             if not multiple:
                 waiter = self._waiting.pop(delivery_tag, None)
                 settled = [waiter] if waiter is not None else []
-            else:
-                settled = []
-                for tag in list(self._waiting):
+            else:  # the oldest tags first: no more of the dict is looked at than settles
+                waiting, tags = self._waiting, []
+                for tag in waiting:
                     if delivery_tag and tag > delivery_tag:
                         break
-                    settled.append(self._waiting.pop(tag))
+                    tags.append(tag)
+                settled = [waiting.pop(tag) for tag in tags]
             if self._returnable:
                 for tag in [t for t in self._returnable if t <= delivery_tag or not delivery_tag]:
                     if multiple or tag == delivery_tag:
