@@ -170,7 +170,7 @@ class PublishEncoder:
             encoding = msg.properties.setdefault("content_encoding", "utf-8")
             body = body.encode(encoding)
         props = msg.properties
-        flags, properties = self._properties(props)
+        flags, properties = self._properties(props) if props else (0, b"")
         if properties is None:
             serialized = msg._serialize_properties()
             flags, properties = int.from_bytes(serialized[:2], "big"), serialized[2:]

@@ -253,7 +253,7 @@ class Writer:
     ) -> bool:
         """Queue a message to be written behind; False if ``UNWRITTEN_LIMIT`` is reached
         (the caller then sends it as any other)."""
-        size = sum(len(chunk) for chunk in data)
+        size = sum(map(len, data))
         with self._lock:
             if self._error is not None:
                 raise self._error()
