@@ -170,11 +170,14 @@ def read_frames(
     if transport is None:
         raise conn.error_for_caller()
     sock = transport.sock
-    previous = sock.gettimeout()
+    previous = current = sock.gettimeout()
     try:
         while True:
             if deadline is not None:
-                sock.settimeout(max(deadline - monotonic(), 0.0))
+                left = max(deadline - monotonic(), 0.0)
+                if left != current:  # each call is a system call, even for the same value
+                    sock.settimeout(left)
+                    current = left
             conn.on_inbound_frame(read_frame(transport, conn.frame_max))
             if awaitable.ready() or lock.contended:
                 return
@@ -183,7 +186,7 @@ def read_frames(
     except (ssl.SSLWantReadError, BlockingIOError):  # a timeout of 0
         raise TimeoutError() from None
     finally:
-        if deadline is not None:
+        if current != previous:
             sock.settimeout(previous)
 
 

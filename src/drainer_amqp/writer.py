@@ -89,7 +89,6 @@ class _Message:
         self,
         chunks: list[bytes | memoryview],
         take: Callable[[], Any] | None,
-        waits: bool,
         refused: Callable[[BaseException | None], None] | None = None,
     ) -> None:
         self.chunks = chunks
@@ -103,10 +102,14 @@ class _Message:
         self.batch: list[_Message] = _NONE
         self.written: list[_Message] = _NONE
         self.wake_next: list[_Message] = _NONE
-        self._signal: threading.Lock | None = None
-        if waits:
-            self._signal = threading.Lock()
-            self._signal.acquire()
+        self._signal: threading.Lock | None = None  # see will_wait()
+
+    def will_wait(self) -> None:
+        """Its thread will sleep until it is woken: made, under the writer's lock, before
+        the message is queued where others can wake it (a leader that writes at once
+        never sleeps, and needs none)."""
+        self._signal = threading.Lock()
+        self._signal.acquire()
 
     @property
     def waits(self) -> bool:
@@ -214,19 +217,26 @@ class Writer:
         ):
             return
         deadline = deadline_after(timeout)
-        message = _Message(data, take, block)
+        message = _Message(data, take)
         try:
             with self._lock:
                 if self._error is not None:
                     raise self._error()
                 if self._leading:
+                    if block:
+                        message.will_wait()
                     self._queue.append(message)  # from here on only a leader takes it
                 else:  # lead: what waits to be written behind goes first
-                    queued, self._queue, self._behind_bytes = self._queue, [], 0
-                    queued.append(message)
+                    queued = self._queue
+                    if queued:
+                        self._queue, self._behind_bytes = [], 0
+                        queued.append(message)
+                    else:
+                        queued = [message]
                     self._take(queued)
                     batch = [m for m in queued if m.state == _TAKEN]
-                    message.wake_next = [m for m in queued if m.state == _FAILED]
+                    if len(batch) != len(queued):
+                        message.wake_next = [m for m in queued if m.state == _FAILED]
                     if batch:  # even if its own was refused: the batch is written
                         self._leading = True
                         message.batch = batch
@@ -259,7 +269,7 @@ class Writer:
                 raise self._error()
             if self._behind_bytes and self._behind_bytes + size > UNWRITTEN_LIMIT:
                 return False
-            self._queue.append(_Message(data, take, False, refused))
+            self._queue.append(_Message(data, take, refused))
             self._behind_bytes += size
             wake = not self._leading and not self._flush_owed
             self._flush_owed = self._flush_owed or wake
@@ -329,6 +339,14 @@ class Writer:
         flush = False
         with self._lock:
             queued = self._queue
+            if not queued:  # the common case: nobody came meanwhile
+                written, mine.written = mine.written, []
+                for message in written:
+                    message.state = _WRITTEN
+                mine.state = _WRITTEN
+                self._leading = False
+                mine.wake_next = [m for m in written if m is not mine]
+                return
             if (
                 self.flusher_wake is not None
                 and mine is not self._flushing
@@ -397,7 +415,7 @@ class Writer:
         return mine.state == _LEAD
 
     def _start_flush(self) -> _Message | None:
-        mine = _Message([], None, False)
+        mine = _Message([], None)
         with self._lock:
             self._flush_owed = False
             if self._leading or self._error is not None or not self._queue:
@@ -472,7 +490,7 @@ class Writer:
         return self._error()
 
     def _write(self, batch: list[_Message], deadline: float | None) -> None:
-        chunks = [chunk for message in batch for chunk in message.chunks]
+        chunks = batch[0].chunks if len(batch) == 1 else [c for m in batch for c in m.chunks]
         payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         sock = self._sock
         try:
