@@ -107,7 +107,8 @@ report "the version matrix and the peer suites" $? "$logs/beside.log" "$beside_s
 # (test_promises: every thread progresses); I (1 ms away) and G (confirmed publishing)
 # check that deferred confirms are acked (test_confirms, through the proxy too); C
 # (gunicorn) that every request is answered (test_gunicorn); K (consuming) that every
-# delivery arrives (test_kombu, test_promises: consumers in both modes). bash
+# delivery arrives (test_kombu, test_promises: consumers in both modes); L (a Celery
+# worker) that every task runs once (test_celery: both pools, real workers). bash
 # scripts/bench.sh runs them all.
 step "the benchmarks, quick mode (hard bounds only)" 80 benchmarks \
   env DRAINER_BENCH_QUICK=1 .venv/bin/python -m pytest -q --durations=5 tests/benchmarks \
@@ -115,7 +116,7 @@ step "the benchmarks, quick mode (hard bounds only)" 80 benchmarks \
   --ignore=tests/benchmarks/bench_failover.py --ignore=tests/benchmarks/bench_quorum.py \
   --ignore=tests/benchmarks/bench_cost.py --ignore=tests/benchmarks/bench_rtt.py \
   --ignore=tests/benchmarks/bench_confirms.py --ignore=tests/benchmarks/bench_gunicorn.py \
-  --ignore=tests/benchmarks/bench_consume.py
+  --ignore=tests/benchmarks/bench_consume.py --ignore=tests/benchmarks/bench_celery.py
 
 echo "== done in $(($(date +%s) - begun)) s; logs in $logs/"
 if [ ${#failed[@]} != 0 ]; then

@@ -106,6 +106,7 @@ def toxiproxy_url() -> Iterator[str]:
 #: Usual seconds of each benchmark in full mode on the project's 2-core machine (quick mode:
 #: about a fifth), by file and test name; an unknown one counts 30 s.
 USUAL = {
+    "bench_celery.py::test_celery_worker": 51,
     "bench_clients.py::test_client_throughput": 76,
     "bench_clients.py::test_close_while_publishing": 21,
     "bench_clients.py::test_one_thread_call_cost": 16,
