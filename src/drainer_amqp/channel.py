@@ -680,6 +680,8 @@ class Channel(pyamqp.Channel):
                 f"basic_publish_deferred: timed out: {conn.unconfirmed.size} confirms "
                 "outstanding (max_unconfirmed)"
             )
+        if conn.inbox.wake_when_empty:  # the drainer may be leaving its confirm unread
+            conn.reader.resume_reading()
         # Until it is written, the writer fails it if it is not (_refused_behind); once
         # taken, it waits in self.confirms, which the connection's end fails.
         future = ConfirmFuture(conn, self._deferred_settled)  # type: ignore[arg-type]

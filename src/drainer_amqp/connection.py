@@ -108,12 +108,12 @@ class Connection(amqp.Connection):
         self.confirm_counts = {"acked": 0, "nacked": 0, "returned": 0, "failed": 0}
         self.reason: BaseException | None = None  # why it ended; written once by end()
         self._reported = False  # a caller was raised the reason (see connected); set once
-        self.waiters = Waiters()
+        self.waiters = Waiters(on_add=self._waiter_added)
         # The mode: the one place that asks dedicated_drainer.
         self.reader: Reader = (
             Drainer(self, inbox_limit) if dedicated_drainer else LegacyReader(self)
         )
-        self.inbox = Inbox(self.reader.inbox_limit, self.reader.wake)
+        self.inbox = Inbox(self.reader.inbox_limit, self.reader.wake, self.reader.resume_reading)
         self.writer: Writer | None = None
         # Encodes Basic.Publish as py-amqp's frame writer would, faster; None while not
         # connected or when the caller gave a frame_writer of its own.
@@ -383,6 +383,7 @@ class Connection(amqp.Connection):
             if self.reason is None and transport.connected:
                 self._await_deferred_confirms(write_by)  # legacy: this thread reads them
                 self.is_closing = True
+                self.reader.resume_reading()  # the CloseOk may come behind deliveries
             if self.is_closing and self.reason is None and not self.reader.reading:
                 self._closed_ok = Waiter()
                 try:
@@ -479,6 +480,25 @@ class Connection(amqp.Connection):
 
     def reading_paused(self) -> bool:
         return self.inbox.full
+
+    def consumer_behind(self) -> bool:
+        """The consumer has callbacks queued, and nobody waits for anything else the
+        socket may hold (a reply, a confirm, the close); ``watch`` makes the inbox call
+        ``resume_reading`` when it empties (True), or not (False)."""
+        return bool(
+            len(self.inbox)
+            and not len(self.waiters)
+            and not self.unconfirmed.used
+            and not self.is_closing
+            and self.reason is None
+        )
+
+    def watch_inbox_empty(self, watch: bool) -> None:
+        self.inbox.wake_when_empty = watch
+
+    def _waiter_added(self) -> None:
+        if self.inbox.wake_when_empty:  # the drainer may be leaving the socket unread
+            self.reader.resume_reading()
 
     def drainer_exited(self, error: BaseException | None) -> None:
         if error is not None:

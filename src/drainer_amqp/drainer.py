@@ -22,6 +22,12 @@
   waiter does. One thread switch per reply instead of two. Not the main thread (a
   ``KeyboardInterrupt`` between a read and its dispatch would lose frames), nor TLS,
   nor ``drain_events()``, nor while the inbox is full.
+* **It reads deliveries a batch at a time.** While the consumer has deliveries queued
+  and no thread waits for anything else (a reply, a confirm, the close), the thread
+  leaves the socket unread, for at most ``DEFER_FOR``: what comes meanwhile is read in
+  one batch once the consumer has caught up (the inbox empties) or a thread starts to
+  wait, so a consumer that acks each delivery costs one hand-over per batch, not one
+  per delivery.
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 #: to the drainer thread and sleeps (seconds): a confirm or a reply from a healthy
 #: broker comes well within it.
 BORROW_FOR = 0.02
+#: How long the thread may leave the socket unread while the consumer is behind (see
+#: ``Drainer._defer_reading``): a broker's close or a dead link is still seen within it
+#: (seconds).
+DEFER_FOR = 0.05
 
 
 class DrainerSink(Protocol):
@@ -64,6 +74,8 @@ class DrainerSink(Protocol):
     def flush_writes(self) -> bool: ...
     def try_send_heartbeat(self) -> bool: ...
     def reading_paused(self) -> bool: ...
+    def consumer_behind(self) -> bool: ...
+    def watch_inbox_empty(self, watch: bool) -> None: ...
     def drainer_exited(self, error: BaseException | None) -> None: ...
 
 
@@ -99,13 +111,15 @@ class Drainer:
         # except while it sleeps in select, when a waiting caller may take it (_borrow).
         self._reading = threading.Lock()
         # Guards the socket's registration with the thread's selector: _selector,
-        # _wanted, _watching, _lent. Taken by the thread as it registers what it wants,
-        # and by a borrower as it takes reading away and gives it back.
+        # _wanted, _watching, _lent, _deferring. Taken by the thread as it registers what
+        # it wants, by a borrower as it takes reading away and gives it back, and by
+        # resume_reading().
         self._watch_lock = threading.Lock()
         self._selector: selectors.BaseSelector | None = None  # the thread's, while it runs
         self._wanted = 0  # the events the thread wants the socket watched for
         self._watching = 0  # the events it is registered for
         self._lent = False  # a borrower reads: the thread does not watch for reading
+        self._deferring = False  # the consumer is behind: nobody watches for reading
         self._last_recv = monotonic()  # when bytes last came, whoever read them
         self._borrows = 0  # how many times a caller took the reading (under _reading)
         self._borrow_error: BaseException | None = None  # a borrower's read failed
@@ -130,6 +144,15 @@ class Drainer:
         """Make the thread's ``select`` return now (safe from any thread)."""
         if self._wake is not None:
             self._wake.set()
+
+    def resume_reading(self) -> None:
+        """Watch the socket for reading again if the thread left it unread (the consumer
+        caught up, or a thread waits): the thread's ``select`` returns when bytes are
+        there, and not before (safe from any thread)."""
+        with self._watch_lock:
+            if self._deferring:
+                self._deferring = False
+                self._register()
 
     def stop_reading(self) -> None:
         """Ask the thread to exit soon (it then closes the socket); do not wait (safe from
@@ -229,8 +252,9 @@ class Drainer:
 
     def _register(self) -> None:
         """Under ``_watch_lock``: watch the socket for what the thread wants, less reading
-        while a borrower reads."""
-        events = self._wanted & ~selectors.EVENT_READ if self._lent else self._wanted
+        while a borrower reads or the thread defers reading."""
+        unread = self._lent or self._deferring
+        events = self._wanted & ~selectors.EVENT_READ if unread else self._wanted
         if events == self._watching or self._selector is None:
             return
         if not self._watching:
@@ -272,8 +296,14 @@ class Drainer:
         interval = self._heartbeat
         flushing = False  # bytes written behind wait for the socket to take them
         holding = True  # this thread holds _reading
+        deferred_since: float | None = None  # when reading was last left for the consumer
         while not self._stopping:
             paused = self._sink.reading_paused()
+            expired = deferred_since is not None and monotonic() - deferred_since >= DEFER_FOR
+            if self._defer_reading(not paused and not expired):
+                deferred_since = deferred_since or monotonic()
+            elif not expired:
+                deferred_since = None
             wanted = (0 if paused else selectors.EVENT_READ) | (
                 selectors.EVENT_WRITE if flushing else 0
             )
@@ -289,6 +319,8 @@ class Drainer:
             if interval:
                 due = min(last_sent + interval / 2, self._last_recv + 2 * interval)
                 timeout = min(timeout, max(0.0, due - monotonic()))
+            if self._deferring and deferred_since is not None:
+                timeout = min(timeout, max(0.0, deferred_since + DEFER_FOR - monotonic()))
             if not paused and self._tls and self._tls_pending():
                 readable = True  # decrypted bytes that select cannot see
             else:
@@ -315,6 +347,7 @@ class Drainer:
             now = monotonic()
             if readable and self._read():
                 self._last_recv = now
+                deferred_since = None
             flushing = self._sink.flush_writes()
             if interval:
                 sent = self._sink.bytes_sent
@@ -330,6 +363,32 @@ class Drainer:
                         f"no frame from the broker for {now - self._last_recv:.1f}s "
                         f"(heartbeat {interval:g}s)"
                     )
+
+    def _defer_reading(self, allowed: bool) -> bool:
+        """Whether to leave the socket unread now: ``allowed`` and the consumer is behind
+        (``sink.consumer_behind()``). The flag is set before the question is asked, and
+        the inbox told to resume reading when it empties, so a consumer that catches up
+        (or a thread that starts to wait) meanwhile is never missed."""
+        sink = self._sink
+        if not (allowed and sink.consumer_behind()):
+            if self._deferring:
+                with self._watch_lock:
+                    self._deferring = False
+                    self._register()
+                sink.watch_inbox_empty(False)
+            return False
+        with self._watch_lock:
+            self._deferring = True  # from here on, resume_reading() undoes it
+        sink.watch_inbox_empty(True)
+        behind = sink.consumer_behind()
+        with self._watch_lock:
+            if not behind:
+                self._deferring = False
+            self._register()
+            deferring = self._deferring
+        if not deferring:
+            sink.watch_inbox_empty(False)
+        return deferring
 
     def _read(self) -> bool:
         """Read what is available without blocking; dispatch complete frames."""

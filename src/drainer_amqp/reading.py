@@ -50,6 +50,10 @@ class Reader(Protocol):
     def wake(self) -> None:
         """The inbox has room again."""
 
+    def resume_reading(self) -> None:
+        """Read the socket again now: the consumer has caught up, or a thread waits for a
+        reply (safe from any thread)."""
+
     def stop_reading(self) -> None:
         """The connection failed: let the socket go now (a thread reading it wakes)."""
 
@@ -103,6 +107,9 @@ class LegacyReader:
         pass  # callers' threads read
 
     def wake(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
         pass
 
     def stop_reading(self) -> None:

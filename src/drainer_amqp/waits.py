@@ -29,11 +29,12 @@ class Waiters:
     """The set of live :class:`Waiter` objects of one connection, and its channels'
     :class:`Confirms` (a deferred confirm waits only there)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_add: Callable[[], None] | None = None) -> None:
         self._lock = threading.Lock()  # guards _waiting, _ended and _confirms
         self._waiting: set[Waiter] = set()
         self._ended = False
         self._confirms: weakref.WeakSet[Confirms] = weakref.WeakSet()
+        self.on_add = on_add  # called after a waiter is registered
 
     def track(self, confirms: Confirms) -> None:
         """Fail every confirm ``confirms`` waits for when the connection ends."""
@@ -43,10 +44,13 @@ class Waiters:
     def add(self, waiter: Waiter) -> Waiter:
         """Register ``waiter``; after the end it is failed at once."""
         with self._lock:
-            if not self._ended:
+            ended = self._ended
+            if not ended:
                 self._waiting.add(waiter)
-                return waiter
-        waiter.fail()
+        if ended:
+            waiter.fail()
+        elif self.on_add is not None:
+            self.on_add()
         return waiter
 
     def discard(self, waiter: Waiter) -> None:
@@ -191,16 +195,25 @@ class Inbox:
 
     ``limit`` bounds how many may wait: at the limit :attr:`full` turns true, and the
     drainer stops reading the socket (TCP back-pressure reaches the broker) until the
-    queue has drained below half, when ``on_room`` is called.
+    queue has drained below half, when ``on_room`` is called. ``on_empty`` is called
+    when the queue empties while :attr:`wake_when_empty` is set (the drainer leaves the
+    socket unread while the consumer is behind: see ``Drainer._defer_reading``).
     """
 
     #: A thread in ``drain_events()`` never reads the socket itself in drainer mode.
     waiter_reads = False
 
-    def __init__(self, limit: int = 0, on_room: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        limit: int = 0,
+        on_room: Callable[[], None] | None = None,
+        on_empty: Callable[[], None] | None = None,
+    ) -> None:
         self.limit = limit
         self.on_room = on_room
+        self.on_empty = on_empty
         self.full = False
+        self.wake_when_empty = False  # set by the drainer's thread, cleared by a take
         self._ready = threading.Condition(threading.Lock())  # guards _items, _ended, full
         self._items: deque[Callback] = deque()
         self._ended = False
@@ -263,7 +276,7 @@ class Inbox:
                 item[1](*item[2])
 
     def _take(self, key: Hashable | None) -> Callback | None:
-        room = False
+        room = empty = False
         with self._ready:
             items = self._items
             if key is None:
@@ -275,8 +288,13 @@ class Inbox:
             if self.full and len(items) <= self.limit // 2:
                 self.full = False
                 room = True
+            if not items and self.wake_when_empty:
+                self.wake_when_empty = False
+                empty = True
         if room and self.on_room is not None:
             self.on_room()
+        if empty and self.on_empty is not None:
+            self.on_empty()
         return item
 
     # -- event loops -------------------------------------------------------------------
