@@ -141,6 +141,7 @@ class ChannelConnection(Protocol):
     ) -> None: ...
     def wait_unblocked(self, timeout: float | None) -> None: ...
     def raise_if_ended(self) -> None: ...
+    def reading_needed(self) -> None: ...
     def error_for_caller(self) -> BaseException: ...
 
 
@@ -680,8 +681,7 @@ class Channel(pyamqp.Channel):
                 f"basic_publish_deferred: timed out: {conn.unconfirmed.size} confirms "
                 "outstanding (max_unconfirmed)"
             )
-        if conn.inbox.wake_when_empty:  # the drainer may be leaving its confirm unread
-            conn.reader.resume_reading()
+        conn.reading_needed()  # its confirm must not wait behind a consumer's backlog
         # Until it is written, the writer fails it if it is not (_refused_behind); once
         # taken, it waits in self.confirms, which the connection's end fails.
         future = ConfirmFuture(conn, self._deferred_settled)  # type: ignore[arg-type]

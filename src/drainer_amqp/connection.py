@@ -108,7 +108,7 @@ class Connection(amqp.Connection):
         self.confirm_counts = {"acked": 0, "nacked": 0, "returned": 0, "failed": 0}
         self.reason: BaseException | None = None  # why it ended; written once by end()
         self._reported = False  # a caller was raised the reason (see connected); set once
-        self.waiters = Waiters(on_add=self._waiter_added)
+        self.waiters = Waiters(on_add=self.reading_needed)
         # The mode: the one place that asks dedicated_drainer.
         self.reader: Reader = (
             Drainer(self, inbox_limit) if dedicated_drainer else LegacyReader(self)
@@ -383,7 +383,7 @@ class Connection(amqp.Connection):
             if self.reason is None and transport.connected:
                 self._await_deferred_confirms(write_by)  # legacy: this thread reads them
                 self.is_closing = True
-                self.reader.resume_reading()  # the CloseOk may come behind deliveries
+                self.reading_needed()  # the CloseOk may come behind deliveries
             if self.is_closing and self.reason is None and not self.reader.reading:
                 self._closed_ok = Waiter()
                 try:
@@ -483,8 +483,8 @@ class Connection(amqp.Connection):
 
     def consumer_behind(self) -> bool:
         """The consumer has callbacks queued, and nobody waits for anything else the
-        socket may hold (a reply, a confirm, the close); ``watch`` makes the inbox call
-        ``resume_reading`` when it empties (True), or not (False)."""
+        socket may hold (a reply, a confirm, the close): the drainer may leave it unread
+        (``Drainer._defer_reading``)."""
         return bool(
             len(self.inbox)
             and not len(self.waiters)
@@ -494,10 +494,13 @@ class Connection(amqp.Connection):
         )
 
     def watch_inbox_empty(self, watch: bool) -> None:
+        """Whether the inbox calls ``reader.resume_reading`` when it empties."""
         self.inbox.wake_when_empty = watch
 
-    def _waiter_added(self) -> None:
-        if self.inbox.wake_when_empty:  # the drainer may be leaving the socket unread
+    def reading_needed(self) -> None:
+        """Something ``consumer_behind`` counts has begun (a waiter, a deferred confirm,
+        the close): the drainer reads the socket again if it was leaving it unread."""
+        if self.inbox.wake_when_empty:  # else the drainer is not leaving it unread
             self.reader.resume_reading()
 
     def drainer_exited(self, error: BaseException | None) -> None:
