@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from amqp import Message, spec
-from support.broker import JOIN, unique_name
+from support.broker import JOIN, unique_name, wait_until
 from support.fake_broker import FakeBroker, fake_broker, frame, method
 from support.publishing import connect
 from support.threads import run_in_thread, wait_until_blocked
@@ -143,6 +143,30 @@ def test_close_while_a_thread_reads_its_reply_does_not_wait_for_it(
     assert result and isinstance(result[0], drainer_amqp.ConnectionClosedIntentionally), result
     assert took < 2.0, f"close() took {took:.2f}s"
     assert not conn.reader.stats()["running"]
+
+
+def test_a_link_that_ends_without_close_ok_mid_close_is_a_failure(broker: FakeBroker) -> None:
+    """close() has begun (it writes Connection.Close) when the link ends with no CloseOk
+    (a node that stops mid-close): a thread waiting on the connection gets a failure,
+    which kombu retries, not ConnectionClosedIntentionally, which it does not."""
+    conn = connect("drainer", host=broker.hostport)
+    channel = conn.channel()
+    thread, result = run_in_thread(lambda: channel.queue_declare("q"), "waiter")
+    assert broker.wait_for(spec.Queue.Declare)
+    send_frames = conn.send_frames
+
+    def link_ends_as_close_is_written(*args: Any, **kwargs: Any) -> None:
+        if args[1] != spec.Connection.Close:
+            return send_frames(*args, **kwargs)
+        broker.end_stream()  # read while close() is under way, before any CloseOk
+        assert wait_until(lambda: conn.reason is not None, JOIN)
+        raise BrokenPipeError("the link is gone")
+
+    conn.send_frames = link_ends_as_close_is_written  # type: ignore[method-assign]
+    conn.close()
+    thread.join(JOIN)
+    assert not thread.is_alive()
+    assert result and isinstance(result[0], drainer_amqp.ConnectionLost), result
 
 
 def wait_for_lent(conn: drainer_amqp.Connection) -> bool:

@@ -505,9 +505,15 @@ class Connection(amqp.Connection):
 
     def drainer_exited(self, error: BaseException | None) -> None:
         if error is not None:
-            # After close() wrote Connection.Close, the broker's end of stream (which may
-            # come before close() records its reason) is the close's, not a failure.
-            self.end(_closed_by_close() if self.is_closing else self.as_connection_error(error))
+            # The end of stream after the broker's CloseOk to close() (which may come
+            # before close() records its reason) is the close's. Without that CloseOk it
+            # is a failure, close() or not: a node that stops mid-close sends none, and
+            # kombu retries only on a failure.
+            closed_ok = self._closed_ok
+            if self.is_closing and closed_ok is not None and closed_ok.ready():
+                self.end(_closed_by_close())
+            else:
+                self.end(self.as_connection_error(error))
         if not isinstance(self.reason, ConnectionClosedIntentionally):
             self._close_socket()  # failed: let the socket go now (as end() does, by its reader)
         closed_ok = self._closed_ok
