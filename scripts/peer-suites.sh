@@ -19,11 +19,15 @@ for pkg in "amqp==$amqp_version" "kombu==$kombu_version"; do
 done
 
 queues() { rabbitmqctl -q list_queues name 2>/dev/null | sort; }
-# The suites leave queues of fixed names behind (some tests never ack); delete what a
-# run created, so the next run starts from the same broker state. Ours start "drainer-".
-cleanup() {
-  { comm -13 "$work/queues.before" <(queues) | grep -v '^drainer-' || true; } | while read -r q; do
-    rabbitmqctl -q delete_queue "$q" >/dev/null 2>&1 || true
+# The suites leave queues of fixed names behind (some tests never ack); delete those a
+# run created, so the next run starts from the same broker state. Only names written in
+# the suite's own source: the project's test suite runs beside this one on the same
+# broker, and its queues (server-named ones too) are in use.
+cleanup() {  # source dir
+  { comm -13 "$work/queues.before" <(queues) || true; } | while read -r q; do
+    if [ -n "$q" ] && grep -rqF -- "$q" "$1/t"; then
+      rabbitmqctl -q delete_queue "$q" >/dev/null 2>&1 || true
+    fi
   done
 }
 
@@ -42,7 +46,7 @@ run_suite() {  # name, source dir, test path, extra pytest args...
       timeout 600 "$py" -m pytest -q -p no:cacheprovider -p drainer_plugin -o addopts= \
         --junitxml="$work/$name-$mode.xml" "$path" "$@" >"$work/$name-$mode.log" 2>&1) || true
     tail -n 1 "$work/$name-$mode.log"
-    cleanup
+    cleanup "$dir"
   done
   "$py" tests/peer/compare.py "$name" "$work/$name-stock.xml" "$work/$name-drainer.xml" \
     "$work/$name-report.json" || status=1
