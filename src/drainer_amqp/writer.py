@@ -49,7 +49,11 @@ leader that finds only such messages queued hands them to the flusher instead of
 them, so no caller writes for others without end; the flusher (:meth:`Writer.flush`)
 writes them without blocking, and keeps the lead while the socket takes them. Without a
 flusher, ``behind`` is a blocking send. At most ``UNWRITTEN_LIMIT`` bytes wait behind:
-beyond it, ``behind`` is a blocking send too, so a fast publisher waits its turn.
+beyond it, ``behind`` is a blocking send too, so a fast publisher waits its turn. Such a
+message is queued without the writer's lock (many publishing threads would otherwise
+queue up on it, one sleep and wake-up each): in a queue of its own, moved, in order,
+to the main queue by whichever thread next reads that under the lock, before it adds
+its own message; so a thread's messages keep their order whichever way each is sent.
 
 The queue holds at most one waiting message per thread, the replies, and
 ``UNWRITTEN_LIMIT`` bytes written behind.
@@ -59,6 +63,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from time import monotonic
@@ -152,15 +157,25 @@ class Writer:
         self.io_lock = io_lock
         self._sock = sock
         self._on_error = on_error
-        # Guards _queue, _leading, _error and every message's state. Held to queue, take
-        # or remove a message and to hand the lead over; never across a write or a
-        # wait. Taken by every sending thread; take callbacks run under it.
+        # Guards _queue, _leading, _error and every message's state (written; _leading
+        # and _error are also read without it). Held to queue, take or remove a message
+        # and to hand the lead over; never across a write or a wait. Taken by every
+        # thread that sends and waits or leads; take callbacks run under it.
         self._lock = threading.Lock()
         self._queue: list[_Message] = []
         self._leading = False  # a thread holds the lead: it writes, or is about to
         self._error: Callable[[], BaseException] | None = None  # set by fail() or a last send
-        self._behind_bytes = 0  # queued to be written behind
-        self._flush_owed = False  # the flusher was woken to write what is queued
+        # Messages written behind, queued without the lock (see _queue_behind): appended
+        # by their threads, moved to _queue, in order, under the lock (_gather) by any
+        # thread that reads _queue.
+        self._behind: deque[_Message] = deque()
+        # Bytes written behind and not taken yet: added without the lock, so a bound to
+        # within a message or two; zero again whenever the queue is taken.
+        self._behind_bytes = 0
+        # The flusher was woken to write what is queued. Set by any thread, lock or not;
+        # cleared under the lock before the queue is read (so a message queued after
+        # the read sees it cleared and wakes the flusher again).
+        self._flush_owed = False
         #: Wakes the flusher (set by the connection when it has one); None: no flusher.
         self.flusher_wake: Callable[[], None] | None = None
         # The flusher's own state, touched by its thread only: its lead and what of its
@@ -178,11 +193,11 @@ class Writer:
         with self._lock:
             self._error = error
             queued, self._queue = self._queue, []
-            self._behind_bytes = 0
             for message in queued:
                 message.state = _FAILED
         for message in queued:
             message.wake()
+        self._refuse_behind()
 
     def send(
         self,
@@ -222,6 +237,7 @@ class Writer:
             with self._lock:
                 if self._error is not None:
                     raise self._error()
+                self._gather()  # this thread's messages written behind go first
                 if self._leading:
                     if block:
                         message.will_wait()
@@ -262,20 +278,44 @@ class Writer:
         refused: Callable[[BaseException | None], None],
     ) -> bool:
         """Queue a message to be written behind; False if ``UNWRITTEN_LIMIT`` is reached
-        (the caller then sends it as any other)."""
+        (the caller then sends it as any other).
+
+        Without the writer's lock, so that publishing threads do not queue up behind
+        each other on it: the message goes to ``_behind`` (a deque: an append is atomic),
+        whence whoever next reads the queue under the lock moves it (:meth:`_gather`).
+        Every step after the append is a check that another thread made before it, or
+        will make after it: a leader checks ``_behind`` after it lets go of the lead
+        (:meth:`_hand_over`), the flusher after it clears ``_flush_owed``, and
+        :meth:`fail` after it sets ``_error``; each message leaves ``_behind`` once (a
+        ``popleft``), so it is written or refused once."""
+        if self._error is not None:
+            raise self._error()
         size = sum(map(len, data))
-        with self._lock:
-            if self._error is not None:
-                raise self._error()
-            if self._behind_bytes and self._behind_bytes + size > UNWRITTEN_LIMIT:
-                return False
-            self._queue.append(_Message(data, take, refused))
-            self._behind_bytes += size
-            wake = not self._leading and not self._flush_owed
-            self._flush_owed = self._flush_owed or wake
-        if wake:
+        queued = self._behind_bytes
+        if queued and queued + size > UNWRITTEN_LIMIT:
+            return False
+        self._behind.append(_Message(data, take, refused))
+        self._behind_bytes += size
+        if self._error is not None:  # it may have come after the last gather
+            self._refuse_behind()
+        elif not self._leading and not self._flush_owed:
+            self._flush_owed = True
             self._wake_flusher()
         return True
+
+    def _gather(self) -> None:
+        """Under the lock: move what was queued behind to the end of ``_queue``; nothing
+        once the writer refuses sends (what is behind then came after the last message
+        or the failure: :meth:`_refuse_behind`)."""
+        behind = self._behind
+        if not behind or self._error is not None:
+            return
+        queue, pop = self._queue, behind.popleft
+        try:
+            while True:
+                queue.append(pop())
+        except IndexError:
+            pass
 
     def _wake_flusher(self) -> None:
         flusher_wake = self.flusher_wake
@@ -338,6 +378,7 @@ class Writer:
         to its first waiter, or keep it (nobody in it waits), or release the lead."""
         flush = False
         with self._lock:
+            self._gather()
             queued = self._queue
             if not queued:  # the common case: nobody came meanwhile
                 written, mine.written = mine.written, []
@@ -346,37 +387,56 @@ class Writer:
                 mine.state = _WRITTEN
                 self._leading = False
                 mine.wake_next = [m for m in written if m is not mine]
-                return
-            if (
+                queued = _NONE
+            elif (
                 self.flusher_wake is not None
                 and mine is not self._flushing
                 and not any(m.waits for m in queued)
             ):
                 queued = []  # only messages nobody waits for: the flusher writes them
-                flush = bool(self._queue) and not self._flush_owed
-                self._flush_owed = self._flush_owed or flush
-            self._take(queued)  # first: an interrupted take leaves the queue as it was
-            if queued:
-                self._queue, self._behind_bytes = [], 0
-            batch = [m for m in queued if m.state == _TAKEN]
-            written, mine.written = mine.written, []
-            for message in written:
-                message.state = _WRITTEN
-            mine.state = _WRITTEN
-            successor = next((m for m in batch if m.waits), None)
-            if successor is not None:
-                successor.batch = batch
-                successor.state = _LEAD
-            elif batch:
-                mine.batch = batch
-                mine.state = _LEAD  # nobody in it waits: this thread writes it too
-            else:
-                self._leading = False
-            owed = [successor] if successor is not None else []
-            refused = [m for m in queued if m.state == _FAILED]
-            mine.wake_next = owed + [m for m in written if m is not mine] + refused
+                flush = not self._flush_owed
+                self._flush_owed = True
+            if queued is not _NONE:
+                self._take(queued)  # first: an interrupted take leaves the queue as it was
+                if queued:
+                    self._queue, self._behind_bytes = [], 0
+                batch = [m for m in queued if m.state == _TAKEN]
+                written, mine.written = mine.written, []
+                for message in written:
+                    message.state = _WRITTEN
+                mine.state = _WRITTEN
+                successor = next((m for m in batch if m.waits), None)
+                if successor is not None:
+                    successor.batch = batch
+                    successor.state = _LEAD
+                elif batch:
+                    mine.batch = batch
+                    mine.state = _LEAD  # nobody in it waits: this thread writes it too
+                else:
+                    self._leading = False
+                owed = [successor] if successor is not None else []
+                refused = [m for m in queued if m.state == _FAILED]
+                mine.wake_next = owed + [m for m in written if m is not mine] + refused
+        if not self._leading and self._behind and not self._flush_owed:
+            flush = self._flush_owed = True  # queued behind after the lead was let go
         if flush:
             self._wake_flusher()
+
+    def _refuse_behind(self) -> None:
+        """Once the writer refuses sends: fail what is still queued behind."""
+        refused = []
+        with self._lock:
+            pop = self._behind.popleft
+            try:
+                while True:
+                    message = pop()
+                    message.state = _FAILED
+                    refused.append(message)
+            except IndexError:
+                pass
+            self._behind_bytes = 0
+        for message in refused:
+            message.wake()
 
     def _failed(self, mine: _Message, exc: BaseException) -> None:
         """The write of ``mine.batch`` failed: it and the queue fail, the lead is
@@ -386,12 +446,13 @@ class Writer:
                 self._error = partial(ConnectionError, f"write failed: {exc!r}")
             self._leading = False
             failed = mine.batch + self._queue
-            mine.batch, self._queue, self._behind_bytes = [], [], 0
+            mine.batch, self._queue = [], []
             for message in failed:
                 message.state = _FAILED
             mine.state = _FAILED
             mine.wake_next = [m for m in failed if m is not mine]
         self._wake_owed(mine)
+        self._refuse_behind()
 
     # -- the flusher ---------------------------------------------------------------------
     def flush(self) -> bool:
@@ -418,6 +479,7 @@ class Writer:
         mine = _Message([], None)
         with self._lock:
             self._flush_owed = False
+            self._gather()
             if self._leading or self._error is not None or not self._queue:
                 return None
             queued, self._queue, self._behind_bytes = self._queue, [], 0
