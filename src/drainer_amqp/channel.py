@@ -670,7 +670,9 @@ class Channel(pyamqp.Channel):
             self._select_confirms()
         deadline = deadline_after(timeout)
         window = conn.unconfirmed
-        if not window.room.ready():  # legacy mode reads the confirms that make room
+        if not conn.reader.owns_socket and not window.room.ready():
+            # Legacy mode reads the confirms that make room. (In drainer mode the
+            # drainer reads them, and enter() waits in line.)
             try:
                 conn.reader.wait(window.room, deadline)
             except TimeoutError:
