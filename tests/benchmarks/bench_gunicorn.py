@@ -125,6 +125,8 @@ def load_with_wrk(mode: str, confirms: bool | None, port: int, script: str) -> R
     assert line is not None, out
     r = json.loads(line.removeprefix("WRK_JSON "))
     errors = r["connect"] + r["read"] + r["write"] + r["status"]
+    if r["requests"] == 0:  # no latency was measured: not 0 ms
+        r.update(p50=math.nan, p95=math.nan, p99=math.nan, max=math.nan)
     return Run(
         mode=mode,
         confirms=confirms,
@@ -343,7 +345,10 @@ def section_of(runs: list[Run], confirms: bool, command: str, seconds: float) ->
             "Consumers: drainer/legacy have an idle consumer thread on the same connection in "
             "drain_events(timeout=1); stock+lock's idle consumer reads under the shared lock "
             "50 ms at a time (a 1-s read would stall every publish for up to 1 s, as in "
-            "legacy); amqpstorm's idle consumer thread runs start_consuming().",
+            "legacy); amqpstorm's idle consumer thread runs start_consuming(). Python's locks "
+            "are not fair: the consumer, looping on the lock, may take it back before a "
+            "request thread wakes, and starve the requests (a run can answer none: '-' "
+            "latencies).",
             "The load generator runs on the same 2 cores as gunicorn and the broker: the "
             "no-AMQP baseline is limited by it as much as by the app.",
             "Targets are reported, not asserted.",
@@ -406,7 +411,9 @@ def test_gunicorn_gthread_against_other_clients(
         command = f"Python client, {CONCURRENCY} threads, keep-alive, perf_counter per request"
 
     for r in runs:
-        assert r.requests > 0, r
+        # stock+lock's request threads can starve behind its consumer's loop on the lock
+        # (Python's locks are not fair): a run without an answer is reported, as it is.
+        assert r.requests > 0 or r.mode not in ("none", "drainer"), r
         assert r.errors == 0, r  # every answer was a 200: each publish succeeded
         # Each 200 was sent after its publish was confirmed (or, without confirms, handed to
         # the connection); requests still in flight at the end (one per client connection)
