@@ -34,6 +34,7 @@ def test_waiters_get_the_lock_in_arrival_order() -> None:
         threads.append(t)
         # Each thread must be queued before the next starts: wait until it is.
         assert wait_until(partial(queued, lock, i + 1), JOIN, interval=0.001), i
+        assert lock.contended
     # The releasing thread would win an unfair lock back at once; here it queues.
     lock.release()
     assert lock.acquire(timeout=JOIN), "the lock was never handed back"
@@ -43,6 +44,7 @@ def test_waiters_get_the_lock_in_arrival_order() -> None:
         t.join(JOIN)
         assert not t.is_alive()
     assert order == [0, 1, 2, 3, 4, 5, 6, 7, -1]
+    assert not lock.contended
 
 
 def test_reentrant_and_owned() -> None:
@@ -63,6 +65,7 @@ def test_a_timed_out_waiter_leaves_the_queue() -> None:
     t.join(JOIN)
     assert result == [False]
     assert not lock._waiters
+    assert not lock.contended
     lock.release()
     assert lock.acquire(blocking=False)
     lock.release()

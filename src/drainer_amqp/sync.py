@@ -156,6 +156,9 @@ class FairRLock:
         self._owner: int | None = None
         self._depth = 0
         self._waiters: deque[tuple[int, threading.Lock]] = deque()
+        #: Another thread waits for the lock (a hint: it may change at once). An
+        #: attribute, not a property: a legacy reader asks after every frame.
+        self.contended = False
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         me = threading.get_ident()
@@ -172,18 +175,15 @@ class FairRLock:
             turn.acquire()
             entry = (me, turn)
             self._waiters.append(entry)
+            self.contended = True
         if turn.acquire(timeout=lock_timeout(None if timeout < 0 else timeout)):
             return True  # release() made us the owner before waking us
         with self._mutex:
             if self._owner == me:  # handed over just as we timed out
                 return True
             self._waiters.remove(entry)
+            self.contended = bool(self._waiters)
             return False
-
-    @property
-    def contended(self) -> bool:
-        """Another thread waits for the lock (a hint: it may change at once)."""
-        return bool(self._waiters)
 
     def release(self) -> None:
         with self._mutex:
@@ -194,6 +194,7 @@ class FairRLock:
                 return
             if self._waiters:
                 self._owner, turn = self._waiters.popleft()
+                self.contended = bool(self._waiters)
                 self._depth = 1
                 turn.release()
             else:

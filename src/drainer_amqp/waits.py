@@ -214,7 +214,11 @@ class Inbox:
         self.on_empty = on_empty
         self.full = False
         self.wake_when_empty = False  # set by the drainer's thread, cleared by a take
-        self._ready = threading.Condition(threading.Lock())  # guards _items, _ended, full
+        # Guards _items, _ended, full and _sleepers; held directly (a C call) where nobody
+        # needs waking, through _ready to sleep or wake.
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._sleepers = 0  # threads asleep in wait()
         self._items: deque[Callback] = deque()
         self._ended = False
         self._run_lock = threading.RLock()  # one callback at a time, in arrival order
@@ -224,13 +228,14 @@ class Inbox:
     # -- the reading thread ------------------------------------------------------------
     def post(self, key: Hashable, function: Callable[..., Any], *args: Any) -> None:
         """Queue ``function(*args)``; ``key`` names its consumer, for :meth:`run_matching`."""
-        with self._ready:
+        with self._lock:
             if self._ended:
                 return
             self._items.append((key, function, args))
             if self.limit and len(self._items) >= self.limit:
                 self.full = True
-            self._ready.notify()
+            if self._sleepers:
+                self._ready.notify()
         if self._signal is not None:
             self._signal.set()
 
@@ -251,14 +256,19 @@ class Inbox:
     def wait(self, timeout: float | None) -> bool:
         """Block until something is queued or the connection ended, or ``timeout``."""
         with self._ready:
-            return self._ready.wait_for(self.ready, timeout)
+            self._sleepers += 1
+            try:
+                return self._ready.wait_for(self.ready, timeout)
+            finally:
+                self._sleepers -= 1
 
     def run_one(self, deadline: float | None) -> bool:
         """Run the next callback in this thread, if one is queued; return whether one ran.
         Waits for a callback another thread is running, until ``deadline``."""
-        timeout = -1 if deadline is None else max(deadline - monotonic(), 0.0)
-        if not self._run_lock.acquire(timeout=timeout):
-            return False
+        if not self._run_lock.acquire(blocking=False):
+            timeout = -1 if deadline is None else max(deadline - monotonic(), 0.0)
+            if not self._run_lock.acquire(timeout=timeout):
+                return False
         try:
             item = self._take(None)
             if item is None:
@@ -277,7 +287,7 @@ class Inbox:
 
     def _take(self, key: Hashable | None) -> Callback | None:
         room = empty = False
-        with self._ready:
+        with self._lock:
             items = self._items
             if key is None:
                 item = items.popleft() if items else None
@@ -323,7 +333,9 @@ class Inbox:
 
     def reset(self) -> None:
         """After a fork: the parent's threads and callbacks do not exist here."""
-        self._ready = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._sleepers = 0
         self._run_lock = threading.RLock()
         self._items.clear()
 
