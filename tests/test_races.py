@@ -208,9 +208,9 @@ def test_a_legacy_heartbeat_timeout_wakes_a_blocked_reader_and_closes_the_socket
     in_read = threading.Event()
     read_frame = reading.read_frame
 
-    def hooked(transport: Any, frame_max: int) -> Frame:
+    def hooked(transport: Any, frame_max: int, *rest: Any) -> Frame:
         in_read.set()
-        return read_frame(transport, frame_max)
+        return read_frame(transport, frame_max, *rest)
 
     monkeypatch.setattr(reading, "read_frame", hooked)
     reader, read = run_in_thread(conn.drain_events, "reader")  # blocked until a frame comes

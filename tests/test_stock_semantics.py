@@ -11,6 +11,7 @@ from typing import Any
 import amqp
 import kombu
 import pytest
+from amqp import spec
 from amqp.exceptions import AMQPError, AMQPNotImplementedError
 from amqp.method_framing import frame_writer as amqp_frame_writer
 from kombu.transport import pyamqp
@@ -21,12 +22,16 @@ from support.broker import (
     unique_name,
     wait_until,
 )
-from support.threads import drain_in_background
+from support.fake_broker import content, fake_broker
+from support.threads import drain_in_background, wait_until_blocked
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
 
 MODES = ["legacy", "drainer"]
+#: How far past its deadline a call may return: the reading's slack and a busy machine
+#: (less than a socket timeout restarted by a late piece would add).
+LATE = 0.4
 
 
 def _local_port(conn: drainer_amqp.Connection) -> int:
@@ -315,3 +320,42 @@ def test_a_new_consumers_first_deliveries_are_not_rejected(
 
 
 COUNT = 300
+
+
+# -- a timeout mid-frame -----------------------------------------------------------------
+def test_a_legacy_read_times_out_mid_frame_on_time_and_keeps_what_it_read(
+    connect: Callable[..., Any],
+) -> None:
+    """A delivery that comes in pieces, one of them halfway through the call:
+    ``drain_events(timeout=1)`` raises ``TimeoutError`` at its deadline, not a whole
+    socket timeout after the last piece, and the next call delivers the whole message
+    from what was read and what follows, as stock py-amqp does."""
+    with fake_broker() as broker:
+        conn = connect("legacy", host=broker.hostport)
+        channel = conn.channel()
+        got: list[bytes] = []
+        channel.basic_consume("q", consumer_tag="c", callback=lambda m: got.append(m.body))
+        assert broker.wait_for(spec.Basic.Consume)
+        deliver = content(
+            channel.channel_id, spec.Basic.Deliver, "sLbss", ("c", 1, False, "", "q"), b"body"
+        )
+        broker.send(deliver[:3])  # half a frame header
+        reader = threading.current_thread()
+
+        def late_piece() -> None:  # half the payload, once the reader waits for it
+            assert wait_until_blocked(reader, ["read_frame"])
+            threading.Event().wait(max(began + 0.5 - monotonic(), 0))
+            broker.send(deliver[3:20])
+
+        helper = threading.Thread(target=late_piece, daemon=True)
+        began = monotonic()
+        helper.start()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=1.0)
+        took = monotonic() - began
+        helper.join(JOIN)
+        assert 1.0 <= took < 1.0 + LATE, took
+        assert got == []
+        broker.send(deliver[20:])
+        conn.drain_events(timeout=JOIN)
+        assert got == [b"body"]

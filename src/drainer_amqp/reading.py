@@ -23,6 +23,9 @@ from .sync import Awaitable, FairRLock
 
 __all__ = ["LegacyReader", "Reader"]
 
+#: How far past its deadline one socket read may wait in legacy mode (seconds).
+TIMEOUT_SLACK = 0.001
+
 
 class Reader(Protocol):
     """A connection's mode: who reads its socket. ``Connection`` picks one when it is
@@ -172,24 +175,39 @@ def read_frames(
     them; at least one (even at the deadline), then on while ``awaitable`` is not ready,
     nobody waits for ``lock`` and ``deadline`` is not reached (one turn per message, not
     per frame). The socket's timeout is the time left, as in py-amqp's ``having_timeout``,
-    and is restored after."""
+    set again before each read of a frame's header and of its payload (only when it would
+    run ``TIMEOUT_SLACK`` past the deadline: each setting is a system call), and is
+    restored after."""
     transport = conn._transport  # not py-amqp's .transport, which connects when it is None
     if transport is None:
         raise conn.error_for_caller()
     sock = transport.sock
     previous = current = sock.gettimeout()
+
+    def rearm() -> None:
+        nonlocal current
+        assert deadline is not None
+        left = deadline - monotonic()
+        if current is None or not current - TIMEOUT_SLACK < left <= current:
+            current = max(left, 0.0)
+            sock.settimeout(current)
+
+    timed = None if deadline is None else rearm
+    now = monotonic()
     try:
         while True:
             if deadline is not None:
-                left = max(deadline - monotonic(), 0.0)
-                if left != current:  # each call is a system call, even for the same value
-                    sock.settimeout(left)
-                    current = left
-            conn.on_inbound_frame(read_frame(transport, conn.frame_max))
+                left = deadline - now
+                if current is None or not current - TIMEOUT_SLACK < left <= current:
+                    current = max(left, 0.0)
+                    sock.settimeout(current)
+            conn.on_inbound_frame(read_frame(transport, conn.frame_max, timed))
             if awaitable.ready() or lock.contended:
                 return
-            if deadline is not None and monotonic() >= deadline:
-                return
+            if deadline is not None:
+                now = monotonic()
+                if now >= deadline:
+                    return
     except (ssl.SSLWantReadError, BlockingIOError):  # a timeout of 0
         raise TimeoutError() from None
     finally:
@@ -197,18 +215,23 @@ def read_frames(
             sock.settimeout(previous)
 
 
-def read_frame(transport: Any, frame_max: int) -> Frame:
+def read_frame(
+    transport: Any, frame_max: int, before_payload: Callable[[], None] | None = None
+) -> Frame:
     """Read one frame with py-amqp's ``transport``.
 
     As py-amqp's ``read_frame`` (exact reads, so nothing the frame does not hold is taken
     from the socket: a ``select`` on it still sees what follows), except that the header
     is checked (:func:`~drainer_amqp.framing.check_header`) before the payload is read, so
     a bogus size fails at once instead of waiting for (and buffering) that many bytes,
-    and the payload and its frame-end byte are read together.
+    and the payload and its frame-end byte are read together. ``before_payload`` is
+    called between the two reads (it sets the socket's timeout to the time left).
     """
     header = transport._read(HEADER_SIZE, True)  # a timeout here keeps what it read
     frame_type, channel, size = check_header(header, frame_max)
     try:
+        if before_payload is not None:
+            before_payload()
         rest = transport._read(size + 1)
     except OSError:  # a timeout (py-amqp's _read keeps what it read of the payload)
         transport._read_buffer = header + transport._read_buffer  # read again next time
