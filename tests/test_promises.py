@@ -238,7 +238,7 @@ def test_the_exit_hook_closes_silent_connections_within_one_deadline_in_all(mode
         assert child.stdout is not None and child.stdin is not None
         assert child.stdout.readline() == b"connected\n"
         for link in links:
-            link.forwarding.clear()  # after its current read: the heartbeat
+            link.stop_after(HEARTBEAT)
         child.stdin.write(b"go\n")
         child.stdin.flush()
         # Each relay has read its heartbeat and stopped: Connection.Close stays unread.
@@ -349,7 +349,7 @@ def test_a_stalled_broker_costs_the_other_connections_nothing_at_exit(
         try:
             assert child.stdout is not None and child.stdin is not None
             assert child.stdout.readline() == b"connected\n"
-            stalled.forwarding.clear()
+            stalled.stop_after(HEARTBEAT)
             child.stdin.write(b"go\n")
             child.stdin.flush()
             assert wait_until(lambda: stalled.sent.endswith(HEARTBEAT), JOIN)

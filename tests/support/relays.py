@@ -22,7 +22,7 @@ class Relay:
     """Forwards a client to ``upstream``, keeping what it sent in :attr:`sent`;
     :meth:`inject` writes raw bytes to the client; clearing :attr:`forwarding` stops
     reading from the client (its bytes pile up in the kernel's buffers), setting it again
-    resumes."""
+    resumes; :meth:`stop_after` clears it once the client's bytes end with a marker."""
 
     def __init__(
         self,
@@ -38,6 +38,7 @@ class Relay:
         self.forwarding = threading.Event()  # cleared by a test; set again by close()
         self.sent = bytearray()  # every byte the client sent, appended by the "up" thread
         self.forwarding.set()
+        self._stop_after = b""  # set by stop_after(), read by the "up" thread
         self.port = self._listener.getsockname()[1]
         self._client: socket.socket | None = None
         self._broker: socket.socket | None = None
@@ -79,6 +80,8 @@ class Relay:
                 else:
                     self.sent += data
                     dst.sendall(data)
+                    if self._stop_after and self.sent.endswith(self._stop_after):
+                        self.forwarding.clear()
         except OSError:
             pass
         finally:
@@ -90,6 +93,12 @@ class Relay:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def stop_after(self, marker: bytes) -> None:
+        """Stop reading from the client once what it sent ends with ``marker`` (set it
+        before the client sends that): unlike clearing :attr:`forwarding` by hand, this
+        does not depend on where the "up" thread is at that moment."""
+        self._stop_after = marker
 
     def inject(self, data: bytes, then_close: bool = False) -> None:
         """Write ``data`` to the client as if the broker sent it."""
