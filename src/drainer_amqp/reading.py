@@ -196,7 +196,7 @@ def read_frames(
     now = monotonic()
     try:
         while True:
-            if deadline is not None:
+            if deadline is not None:  # rearm(), inline: a call per frame costs more here
                 left = deadline - now
                 if current is None or not current - TIMEOUT_SLACK < left <= current:
                     current = max(left, 0.0)
