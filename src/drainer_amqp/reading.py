@@ -134,15 +134,15 @@ class LegacyReader:
             if not closing and conn.reason is not None and not awaitable.ready():
                 raise conn.error_for_caller()  # a reply read before the end still counts
             stand_by = False
-            remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
-            if not lock.acquire(timeout=-1 if remaining is None else remaining):
-                raise TimeoutError()
+            if not lock.acquire(blocking=False):
+                remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
+                if not lock.acquire(timeout=-1 if remaining is None else remaining):
+                    raise TimeoutError()
             try:
                 if awaitable.ready():
                     return  # another reader filled it while we waited for the lock
-                if not closing:
-                    conn.raise_if_ended()
-                remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
+                if not closing and conn.reason is not None:
+                    raise conn.error_for_caller()
                 conn.dispatching_thread = threading.get_ident()
                 try:
                     # close() sets is_closing, then asks whether we read: one of us sees
@@ -163,8 +163,8 @@ class LegacyReader:
             finally:
                 lock.release()
             if stand_by:
-                awaitable.wait(remaining)
-            if deadline is not None and monotonic() >= deadline and not awaitable.ready():
+                awaitable.wait(None if deadline is None else max(deadline - monotonic(), 0.0))
+            if deadline is not None and not awaitable.ready() and monotonic() >= deadline:
                 raise TimeoutError()
 
 
