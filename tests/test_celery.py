@@ -29,6 +29,7 @@ import kombu.pools
 import pytest
 from amqp.exceptions import ChannelError
 from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery_app import build_app
 from kombu.utils.collections import eqhash
 from support.broker import (
@@ -282,7 +283,19 @@ def _publish_and_collect(
     try:
         reply_queues.append(app.thread_oid)
         pending = [record.apply_async((token, str(markers_dir))) for token in tokens]
-        return [r.get(timeout=RESULT_TIMEOUT) for r in pending]
+        results = []
+        for token, result in zip(tokens, pending, strict=True):
+            try:
+                results.append(result.get(timeout=RESULT_TIMEOUT))
+            except CeleryTimeoutError:
+                # Say which half was lost: the task (it never ran) or its result.
+                ran = (markers_dir / token).exists()
+                raise AssertionError(
+                    f"no result for {token} (task {result.id}) in {RESULT_TIMEOUT:g}s: "
+                    f"the task {'ran' if ran else 'never ran'}; "
+                    f"{len(results)} of this thread's {len(tokens)} results came"
+                ) from None
+        return results
     finally:
         _stop_result_consumer(app)
 
