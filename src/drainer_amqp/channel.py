@@ -138,6 +138,7 @@ class ChannelConnection(Protocol):
         take: Callable[[], Any] | None = None,
         timeout: float | None = None,
         encoded: list[bytes | memoryview] | None = None,
+        behind: Callable[[BaseException | None], None] | None = None,
     ) -> None: ...
     def wait_unblocked(self, timeout: float | None) -> None: ...
     def raise_if_ended(self) -> None: ...
@@ -562,7 +563,9 @@ class Channel(pyamqp.Channel):
     ) -> int:
         """Write one Basic.Publish (``behind``: see :meth:`Writer.send`); its delivery
         tag, if it was written already and the channel is in confirm mode."""
-        conn = self._live_conn()
+        conn = self.connection
+        if conn is None:
+            conn = self._live_conn()  # raises
         error = self._close_error
         if error is not None:
             self._raise_channel_error(conn, error)
@@ -594,16 +597,15 @@ class Channel(pyamqp.Channel):
         if chunks is None:
             args = dumps(argsig, (0, exchange, routing_key, mandatory, immediate))
         try:
-            self._write(
-                conn,
-                spec.Basic.Publish,
-                args,
-                msg,
-                take=take,
-                timeout=timeout,
-                encoded=chunks,
-                behind=behind,
-            )
+            if channel_id is None:  # collected by another thread meanwhile
+                raise conn.error_for_caller()
+            try:
+                conn.send_frames(
+                    channel_id, spec.Basic.Publish, args, msg,
+                    take=take, timeout=timeout, encoded=chunks, behind=behind,
+                )  # fmt: skip
+            except _Refused as refused:
+                self._raise_channel_error(conn, refused.error)
         except TimeoutError as exc:
             self.confirms.drop(tag, waiter)
             raise RecoverableConnectionError("basic_publish: timed out") from exc
@@ -665,7 +667,9 @@ class Channel(pyamqp.Channel):
         call writes it. Waits, at most ``timeout`` seconds, while ``max_unconfirmed``
         confirms of the connection are outstanding or ``UNWRITTEN_LIMIT`` bytes wait to
         be written."""
-        conn = self._live_conn()
+        conn = self.connection
+        if conn is None:
+            conn = self._live_conn()  # raises
         if not self._confirm_selected:
             self._select_confirms()
         deadline = deadline_after(timeout)

@@ -195,6 +195,9 @@ class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
                 pass
 
     def result(self, timeout: float | None = None) -> Any:
+        if self._state == _FINISHED and self._exception is None:
+            self._asked = True  # acked: final, so no lock (a streaming publisher's case)
+            return self._result
         self._read_until_done(timeout)
         self._asked = True
         return super().result(0 if self.done() else timeout)
