@@ -116,10 +116,6 @@ class _Message:
         self._signal = threading.Lock()
         self._signal.acquire()
 
-    @property
-    def waits(self) -> bool:
-        return self._signal is not None
-
     def wake(self) -> None:
         """Wake its thread (after its state changed); waking twice is harmless. A message
         nobody waits for that failed tells its ``refused`` callback (once)."""
@@ -386,12 +382,12 @@ class Writer:
                     message.state = _WRITTEN
                 mine.state = _WRITTEN
                 self._leading = False
-                mine.wake_next = [m for m in written if m is not mine]
+                mine.wake_next = [m for m in written if m._signal is not None and m is not mine]
                 queued = _NONE
             elif (
                 self.flusher_wake is not None
                 and mine is not self._flushing
-                and not any(m.waits for m in queued)
+                and not any(m._signal is not None for m in queued)
             ):
                 queued = []  # only messages nobody waits for: the flusher writes them
                 flush = not self._flush_owed
@@ -405,7 +401,7 @@ class Writer:
                 for message in written:
                     message.state = _WRITTEN
                 mine.state = _WRITTEN
-                successor = next((m for m in batch if m.waits), None)
+                successor = next((m for m in batch if m._signal is not None), None)
                 if successor is not None:
                     successor.batch = batch
                     successor.state = _LEAD
@@ -416,7 +412,9 @@ class Writer:
                     self._leading = False
                 owed = [successor] if successor is not None else []
                 refused = [m for m in queued if m.state == _FAILED]
-                mine.wake_next = owed + [m for m in written if m is not mine] + refused
+                mine.wake_next = (
+                    owed + [m for m in written if m._signal is not None and m is not mine] + refused
+                )
         if not self._leading and self._behind and not self._flush_owed:
             flush = self._flush_owed = True  # queued behind after the lead was let go
         if flush:
