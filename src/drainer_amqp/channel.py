@@ -91,9 +91,10 @@ _SETTLEMENT_FRAME = Struct(">BHIHHQBB")  # a method frame: Basic.Ack, Nack or Re
 def _settlement_frame(channel_id: int, sig: tuple[int, int], args: tuple[Any, ...]) -> bytes:
     """A Basic.Ack, Nack or Reject frame, encoded as py-amqp would (its bits in one
     octet)."""
-    tag, *flags = args
-    bits = sum(1 << i for i, flag in enumerate(flags) if flag)
-    return _SETTLEMENT_FRAME.pack(1, channel_id, 13, sig[0], sig[1], tag, bits, 0xCE)
+    bits = 1 if args[1] else 0  # multiple (Ack, Nack) or requeue (Reject)
+    if len(args) > 2 and args[2]:  # Nack's requeue
+        bits |= 2
+    return _SETTLEMENT_FRAME.pack(1, channel_id, 13, sig[0], sig[1], args[0], bits, 0xCE)
 
 
 def _refused_behind(future: ConfirmFuture, error: BaseException | None) -> None:

@@ -233,7 +233,8 @@ class Writer:
             with self._lock:
                 if self._error is not None:
                     raise self._error()
-                self._gather()  # this thread's messages written behind go first
+                if self._behind:  # this thread's messages written behind go first
+                    self._gather()
                 if self._leading:
                     if block:
                         message.will_wait()
@@ -246,7 +247,10 @@ class Writer:
                     else:
                         queued = [message]
                     self._take(queued)
-                    batch = [m for m in queued if m.state == _TAKEN]
+                    if len(queued) == 1:  # alone: the common case
+                        batch = queued if message.state == _TAKEN else []
+                    else:
+                        batch = [m for m in queued if m.state == _TAKEN]
                     if len(batch) != len(queued):
                         message.wake_next = [m for m in queued if m.state == _FAILED]
                     if batch:  # even if its own was refused: the batch is written
@@ -357,7 +361,8 @@ class Writer:
         the lead when nothing is queued), then wake the threads that are owed it. Called
         again after an interruption, it carries on where it stopped."""
         while True:
-            self._wake_owed(mine)
+            if mine.wake_next:
+                self._wake_owed(mine)
             if mine.state != _LEAD:
                 return
             if mine.batch:
@@ -382,7 +387,8 @@ class Writer:
                     message.state = _WRITTEN
                 mine.state = _WRITTEN
                 self._leading = False
-                mine.wake_next = [m for m in written if m._signal is not None and m is not mine]
+                if len(written) != 1 or written[0] is not mine:  # others to wake
+                    mine.wake_next = [m for m in written if m._signal is not None and m is not mine]
                 queued = _NONE
             elif (
                 self.flusher_wake is not None
