@@ -6,9 +6,10 @@ interleaved round by round, each publishing for ``WINDOW`` seconds to one queue:
 * the ceiling: a raw socket in confirm mode, pre-encoded publishes written in batches,
   acks read as a stream by a second thread, at most 20,000 unconfirmed;
 * stock py-amqp ``basic_publish_confirm`` and the drainer's (one thread each);
-* the drainer's ``basic_publish_deferred`` (one thread and ten, drainer mode; one
-  thread, legacy mode), each publisher checking its futures as they settle, oldest
-  first, as a streaming publisher does (``Settling``: held while outstanding only);
+* the drainer's ``basic_publish_deferred`` (drainer mode: one thread, ten and a
+  hundred, a channel each; legacy mode: one thread), each publisher checking its
+  futures as they settle, oldest first, as a streaming publisher does (``Settling``:
+  held while outstanding only);
 * pika's ``SelectConnection``: publishes in its ioloop, streaming confirms, at most
   5,000 unconfirmed; pika's ``BlockingConnection`` with ``confirm_delivery`` (a round
   trip per message);
@@ -467,6 +468,7 @@ def test_confirmed_publishing(bench_report: Collector) -> None:
         "drainer basic_publish_confirm, 1 thread": partial(run_sync, "drainer", queue),
         "drainer basic_publish_deferred, 1 thread": partial(run_deferred, "drainer", 1, queue),
         "drainer basic_publish_deferred, 10 threads": partial(run_deferred, "drainer", 10, queue),
+        "drainer basic_publish_deferred, 100 threads": partial(run_deferred, "drainer", 100, queue),
         "legacy basic_publish_deferred, 1 thread": partial(run_deferred, "legacy", 1, queue),
         "pika SelectConnection, streaming confirms (window 5,000), 1 thread": partial(
             run_pika_select, queue
