@@ -49,7 +49,10 @@ leader that finds only such messages queued hands them to the flusher instead of
 them, so no caller writes for others without end; the flusher (:meth:`Writer.flush`)
 writes them without blocking, and keeps the lead while the socket takes them. Without a
 flusher, ``behind`` is a blocking send. At most ``UNWRITTEN_LIMIT`` bytes wait behind:
-beyond it, ``behind`` is a blocking send too, so a fast publisher waits its turn. Such a
+beyond it, ``behind`` is a blocking send too, so a fast publisher waits its turn, and
+writes the backlog itself when nobody is writing. (The bound is small on purpose: a
+publisher that keeps the interpreter busy lets the flusher's thread run only every
+few milliseconds, and the broker should not wait for that turn.) Such a
 message is queued without the writer's lock (many publishing threads would otherwise
 queue up on it, one sleep and wake-up each): in a queue of its own, moved, in order,
 to the main queue by whichever thread next reads that under the lock, before it adds
@@ -77,8 +80,9 @@ __all__ = ["Writer"]
 _QUEUED, _TAKEN, _LEAD, _WRITTEN, _FAILED = range(5)
 #: How often an interrupted clean-up is taken up again before it gives up.
 _CLEAN_UP_TRIES = 10
-#: Bytes queued to be written behind, at most (beyond, a send written behind waits).
-UNWRITTEN_LIMIT = 4 * 1024 * 1024
+#: Bytes queued to be written behind, at most (beyond, a send written behind is written
+#: by its thread, in turn): about a thousand small publishes.
+UNWRITTEN_LIMIT = 128 * 1024
 _NONE: list[Any] = []
 
 
