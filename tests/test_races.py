@@ -380,7 +380,43 @@ def test_a_future_does_what_concurrent_futures_does_with_the_same_attributes() -
     made only when watched): a Python release that adds one fails here."""
     future = ConfirmFuture(_FutureConnection(), lambda f, outcome: None)
     stock = set(vars(concurrent.futures.Future()))
-    assert stock - {"_condition"} <= set(vars(future)), stock - set(vars(future))
+    ours = set(vars(future)) | set(vars(ConfirmFuture))  # most are class defaults
+    assert stock - {"_condition"} <= ours, stock - ours
+
+
+@pytest.mark.parametrize("outcome", ["acked", "failed"])
+def test_a_future_settled_before_anyone_watched_it_serves_every_kind_of_watcher(
+    outcome: str,
+) -> None:
+    """Settled unwatched, a future has no condition nor lists of its own (they come with
+    the first watcher): ``wait``, ``as_completed``, a done callback, ``result`` and
+    ``exception`` still see it done, at once, as often as they ask."""
+    error = RuntimeError("failed")
+    future: concurrent.futures.Future[Any] = ConfirmFuture(
+        _FutureConnection(), lambda f, outcome: None
+    )
+    if outcome == "acked":
+        future(spec.Basic.Ack)  # type: ignore[operator]
+    else:
+        future.fail(error)  # type: ignore[attr-defined]
+    for _ in range(2):
+        done, not_done = concurrent.futures.wait([future], timeout=0)
+        assert (done, not_done) == ({future}, set())
+        assert list(concurrent.futures.as_completed([future], timeout=0)) == [future]
+        called: list[bool] = []
+
+        def on_done(f: concurrent.futures.Future[Any], called: list[bool] = called) -> None:
+            called.append(f.done())
+
+        future.add_done_callback(on_done)
+        assert called == [True]
+        if outcome == "acked":
+            assert future.result(timeout=0) is True
+            assert future.exception(timeout=0) is None
+        else:
+            assert future.exception(timeout=0) is error
+            with pytest.raises(RuntimeError):
+                future.result(timeout=0)
 
 
 def race_to_settle(watcher: str) -> None:

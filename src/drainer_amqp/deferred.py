@@ -71,10 +71,10 @@ class _Unwatched:
 _UNWATCHED = _Unwatched()
 _FINISHED = "FINISHED"  # concurrent.futures' state names
 _DONE_STATES = frozenset(("CANCELLED", "CANCELLED_AND_NOTIFIED", _FINISHED))
-#: Guards the choice of a future's condition (``_watch``): a watcher's new Condition, or
-#: the no-op once it has settled unwatched. Taken by the first watcher of a pending
-#: future and by the thread that settles a future nobody watched yet; held for a few
-#: assignments, never with another lock.
+#: Guards each future's claim by its first answer (``_claimed``) and the choice of its
+#: condition (``_watch``): a watcher's new Condition (and its lists), or the no-op once
+#: it has settled unwatched. Taken by the thread that settles a future, and by the first
+#: watcher of one; held for a few assignments, never with another lock.
 _CHOOSING = threading.Lock()
 
 
@@ -99,29 +99,35 @@ class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     ``concurrent.futures`` expects.
     """
 
+    # concurrent.futures.Future's attributes, as class defaults: a future nobody watches
+    # stays one object (no instance dict, no lists), which matters to the garbage
+    # collector with thousands outstanding. The lists and the condition come with the
+    # first watcher (_condition).
+    _state = "PENDING"
+    _result: Any = None
+    _exception: BaseException | None = None
+    _waiters: Any = ()
+    _done_callbacks: Any = ()
+    _watch: Any = None  # the condition: None until watched or settled (see above)
+    _claimed = False  # set, under _CHOOSING, by the first answer
+    _asked = False  # result() or exception() was called
+
     def __init__(
         self, conn: FutureConnection, on_settled: Callable[[ConfirmFuture, str], None]
     ) -> None:
-        # concurrent.futures.Future's attributes, but its _condition (see above).
-        self._state = "PENDING"
-        self._result: Any = None
-        self._exception: BaseException | None = None
-        self._waiters: list[Any] = []
-        self._done_callbacks: list[Callable[[Any], object]] = []
         self._conn = conn
         self._on_settled = on_settled
-        self._asked = False  # result() or exception() was called
-        self._open = True  # popped by the first answer (an atomic claim)
 
     @property
     def _condition(self) -> Any:  # type: ignore[override]
-        watch = self.__dict__.get("_watch")
-        if watch is None:
+        watch = self._watch
+        if watch is None or type(self._waiters) is tuple:
             with _CHOOSING:
-                watch = self.__dict__.get("_watch")
+                if type(self._waiters) is tuple:  # the first watcher: its lists
+                    self._waiters, self._done_callbacks = [], []
+                watch = self._watch
                 if watch is None:
-                    watch = threading.Condition()
-                    self.__dict__["_watch"] = watch
+                    watch = self._watch = threading.Condition()
         return watch
 
     # -- settled by the reading thread, or by the connection's end ----------------------
@@ -141,17 +147,19 @@ class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
             self._settle(error, "returned" if getattr(error, "reply_code", 0) == 312 else "failed")
 
     def _settle(self, error: BaseException | None, outcome: str) -> None:
-        if self.__dict__.pop("_open", None) is None:
-            return  # the first answer stands
+        with _CHOOSING:
+            if self._claimed:
+                return  # the first answer stands
+            self._claimed = True
         # Counted first: whoever sees the future done sees its outcome counted too.
         self._on_settled(self, outcome)
-        watch = self.__dict__.get("_watch")
+        watch = self._watch
         if watch is None:
             with _CHOOSING:
-                watch = self.__dict__.get("_watch")
+                watch = self._watch
                 if watch is None:  # nobody watches it: no waiter, no done callback
                     self._finish(error)
-                    self.__dict__["_watch"] = _UNWATCHED
+                    self._watch = _UNWATCHED
                     return
         with watch:  # as Future.set_result / set_exception
             self._finish(error)
