@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -548,3 +549,63 @@ def test_a_script_that_exits_without_close_settles_every_future(mode: str, queue
     bodies = set(consume_all(queue, len(acked)))
     assert acked <= bodies, f"acked but not in the queue: {sorted(acked - bodies)[:5]}"
     assert len(acked) == 2000  # the exit hook waited for them
+
+
+def _fill_the_window(channel: Any, queue: str, pending: Any) -> None:
+    for _ in range(2):  # one slot is free: the second publish finds none
+        channel.basic_publish_deferred(Message(b"room"), routing_key=queue)
+
+
+CALLBACK_WAITS: dict[str, Callable[[Any, str, Any], object]] = {
+    "a method's reply": lambda ch, queue, pending: ch.queue_declare(queue, passive=True),
+    "a synchronous confirm": lambda ch, queue, pending: ch.basic_publish_confirm(
+        Message(b"sync"), routing_key=queue
+    ),
+    "a pending future's result": lambda ch, queue, pending: pending.result(),
+    "room among the outstanding confirms": _fill_the_window,
+    "wait_for_confirms": lambda ch, queue, pending: ch.wait_for_confirms(),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLBACK_WAITS))
+def test_a_done_callback_that_would_wait_for_itself_raises_at_once(call: str, queue: str) -> None:
+    """In drainer mode a future's done callback runs in the thread that reads: a call
+    there that waits for the broker would wait for itself, for ever without a timeout.
+    It raises ``CannotWaitInReadingThread`` at once instead, and the connection carries
+    on."""
+    conn = connect("drainer", max_unconfirmed=3)
+    try:
+        channel = conn.channel()
+        seen: list[tuple[str, float]] = []
+        done = threading.Event()
+        futures: list[ConfirmFuture] = []
+
+        def on_done(future: concurrent.futures.Future[Any]) -> None:
+            began = time.monotonic()
+            try:
+                CALLBACK_WAITS[call](channel, queue, futures[1])
+                seen.append(("returned", time.monotonic() - began))
+            except drainer_amqp.CannotWaitInReadingThread:
+                seen.append(("raised", time.monotonic() - began))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                seen.append((repr(exc), time.monotonic() - began))
+            finally:
+                done.set()
+
+        # Holding the transport lock keeps the drainer from dispatching any ack until all
+        # three are out: the callback then runs in the drainer, on the first ack, with
+        # the second future still pending (its ack comes after) and two of three slots
+        # taken.
+        channel.confirm_select()  # a round trip: not under the lock
+        with conn.transport_lock:
+            for body in (b"first", b"pending", b"third"):
+                futures.append(channel.basic_publish_deferred(Message(body), routing_key=queue))
+            futures[0].add_done_callback(on_done)
+        assert done.wait(JOIN), "the done callback never ran"
+        assert seen and seen[0][0] == "raised", seen
+        assert seen[0][1] < 1.0, seen
+        # the connection still works, from another thread
+        assert channel.basic_publish_deferred(Message(b"after"), routing_key=queue).result(JOIN)
+        assert channel.queue_declare(queue, passive=True).queue == queue
+    finally:
+        conn.close()

@@ -8,6 +8,7 @@ from . import compat  # noqa: F401  (first: says which py-amqp/kombu internal is
 from .channel import Channel
 from .connection import Connection
 from .errors import (
+    CannotWaitInReadingThread,
     ConnectionBlocked,
     ConnectionClosedIntentionally,
     ConnectionLost,
@@ -17,6 +18,7 @@ from .errors import (
 from .transport import SSLTransport, Transport
 
 __all__ = [
+    "CannotWaitInReadingThread",
     "Channel",
     "Connection",
     "ConnectionBlocked",

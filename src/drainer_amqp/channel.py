@@ -26,7 +26,7 @@ from vine import promise
 
 from .deferred import ConfirmFuture, Window
 from .encoding import PublishEncoder
-from .errors import in_failover_after_another, tag
+from .errors import CannotWaitInReadingThread, in_failover_after_another, tag
 from .reading import Reader
 from .sync import Waiter, deadline_after
 from .waits import Confirms, Inbox, Waiters
@@ -157,6 +157,7 @@ class ChannelConnection(Protocol):
     _channel_id_lock: Any  # guards py-amqp's _used_channel_ids and channels' None
     channels: dict[int, Any] | None
     messages_sent: int  # counted as each publish is queued
+    dispatching_thread: int | None  # the thread dispatching what it read, if any
     unconfirmed: Window  # deferred confirms outstanding
     confirm_counts: dict[str, int]  # how settled deferred confirms ended
     on_confirm: Callable[[float, bool], None] | None
@@ -701,8 +702,19 @@ class Channel(pyamqp.Channel):
                 conn.reader.wait(window.room, deadline)
             except TimeoutError:
                 pass  # reported below
-        if not window.enter(None if deadline is None else deadline - monotonic()):
+        left = None if deadline is None else deadline - monotonic()
+        dispatching = conn.dispatching_thread
+        reads_confirms = dispatching is not None and dispatching == threading.get_ident()
+        if reads_confirms and conn.reader.owns_socket:
+            left = 0  # a done callback: only this thread would read the confirms that free room
+        if not window.enter(left):
             conn.raise_if_ended()
+            if reads_confirms and conn.reader.owns_socket:
+                raise CannotWaitInReadingThread(
+                    f"basic_publish_deferred: {conn.unconfirmed.size} confirms outstanding "
+                    "(max_unconfirmed), and this thread reads them (a done callback): it "
+                    "cannot wait for room"
+                )
             raise RecoverableConnectionError(
                 f"basic_publish_deferred: timed out: {conn.unconfirmed.size} confirms "
                 "outstanding (max_unconfirmed)"
@@ -745,7 +757,7 @@ class Channel(pyamqp.Channel):
             if not future.done():
                 try:
                     conn.reader.wait(future, deadline)
-                except TimeoutError:
+                except (TimeoutError, CannotWaitInReadingThread):
                     raise
                 except Exception:  # noqa: BLE001, S110 - the end settled it
                     pass

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from amqp import spec
 from amqp.exceptions import MessageNacked
 
+from .errors import CannotWaitInReadingThread
 from .reading import Reader
 from .sync import deadline_after, lock_timeout
 
@@ -199,6 +200,8 @@ class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]
                 self._conn.reader.wait(self, deadline_after(timeout))
             except TimeoutError:
                 raise concurrent.futures.TimeoutError() from None
+            except CannotWaitInReadingThread:
+                raise
             except Exception:  # noqa: BLE001, S110 - the connection ended: settled with it
                 pass
 

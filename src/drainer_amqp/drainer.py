@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from time import monotonic
 from typing import Any, Protocol
 
-from .errors import ConnectionLost, HeartbeatTimeout, MalformedFrame
+from .errors import CannotWaitInReadingThread, ConnectionLost, HeartbeatTimeout, MalformedFrame
 from .framing import Frame, FrameAssembler
 from .sync import Awaitable, SelfPipe
 
@@ -66,6 +66,7 @@ class DrainerSink(Protocol):
     """What the drainer needs from its connection."""
 
     bytes_sent: int
+    dispatching_thread: int | None  # the thread in dispatch_frames, if any
 
     @property
     def io_lock(self) -> Any: ...
@@ -183,9 +184,15 @@ class Drainer:
         """The :class:`~drainer_amqp.reading.Reader` seam: return once ``awaitable`` is
         ready; ``TimeoutError`` at ``deadline``. The caller reads its own reply while the
         thread is idle (see the module docstring), else sleeps until the thread's read
-        fills it."""
+        fills it. In the thread that is dispatching what it read (a done callback), it
+        raises ``CannotWaitInReadingThread`` at once: that wait would be for itself."""
         if awaitable.ready():
             return
+        if not closing and self._sink.dispatching_thread == threading.get_ident():
+            raise CannotWaitInReadingThread(
+                "this thread reads the connection (a done callback of a deferred publish): "
+                "it cannot wait here for what only it would read"
+            )
         if self.thread is not None and self._sock.fileno() == -1 and self.thread.is_alive():
             self.wake()  # someone closed the socket under us: the thread reports it
         if not closing and self._borrow(awaitable, deadline):

@@ -27,6 +27,7 @@ from amqp.exceptions import RecoverableConnectionError
 from kombu.connection import Connection as KombuConnection
 
 __all__ = [
+    "CannotWaitInReadingThread",
     "ConnectionBlocked",
     "ConnectionClosedIntentionally",
     "ConnectionLost",
@@ -59,6 +60,14 @@ class MalformedFrame(ConnectionLost):
 class ConnectionBlocked(RecoverableConnectionError):
     """The broker blocked publishing (``Connection.Blocked``) for longer than the
     publish could wait."""
+
+
+class CannotWaitInReadingThread(RuntimeError):
+    """A call that waits for the broker (a reply, a confirm, room among the outstanding
+    confirms, a delivery) was made in the thread that reads the connection, while it
+    dispatches what it read: a deferred publish's done callback, in drainer mode. That
+    thread would wait for itself, so the call raises at once instead. Hand such work to
+    another thread, or publish deferred and do not wait."""
 
 
 # -- which connection an error came from -----------------------------------------------
