@@ -422,3 +422,76 @@ def test_a_reconnect_keeps_its_kombu_connection_when_a_collect_detaches_it_meanw
             assert consumer.connection is conn
     finally:
         conn.release()
+
+
+def test_a_failover_for_a_stale_publish_error_leaves_the_new_connection() -> None:
+    """Thread A's publish fails on the first connection; thread B has reconnected and
+    consumes on the new one when A's ``ensure()`` runs kombu's failover ``switch()``,
+    which closes "the connection" and its default channel: B's. They must stay open for
+    B, and A's retry must publish on them. A failover while kombu handles an error of the
+    live connection itself (a timeout) ends that connection as failed: B gets a
+    recoverable error and retries, not ``ConnectionClosedIntentionally``."""
+    url = "drainer-amqp://guest:guest@127.0.0.1:5672//"
+    conn = kombu.Connection(f"{url};{url}", transport_options={"dedicated_drainer": True})
+    name = unique_name()
+    drainers_before = set(drainer_threads())
+    received: list[str] = []
+    ended: list[BaseException] = []
+    try:
+        conn.ensure_connection(max_retries=3)
+        old = conn.connection
+        producer = kombu.Producer(old.channel(), routing_key=name)  # thread A's
+        b_producer = kombu.Producer(old.channel(), routing_key=name)
+        old.transport.sock.shutdown(socket.SHUT_RDWR)  # the first link fails
+        assert wait_until(lambda: old.reason is not None, JOIN)
+
+        # Thread B's publish fails first: its ensure() reconnects (a failover too).
+        conn.ensure(b_producer, b_producer.publish, max_retries=3, interval_start=0)(
+            "B's, before its queue"
+        )
+        new = conn.connection
+        assert new is not old
+        channel: Any = conn.default_channel
+        channel.queue_declare(name, auto_delete=False)
+        channel.basic_consume(name, no_ack=True, callback=lambda m: received.append(m.body))
+
+        def consume() -> None:  # thread B
+            try:
+                while True:
+                    new.drain_events(timeout=JOIN)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                ended.append(exc)
+
+        b = threading.Thread(target=consume, name="failover-consumer")
+        b.start()
+
+        # Thread A (here): its publish raises the first connection's error, and kombu's
+        # ensure() switches to the next URL, reconnects and publishes again.
+        conn.ensure(producer, producer.publish, max_retries=3, interval_start=0)(
+            "after the failover"
+        )
+        assert wait_until(lambda: received == ["after the failover"] or bool(ended), JOIN)
+        assert not ended, f"A's failover ended B's connection: {ended!r}"
+        assert new.reason is None and channel.is_open
+        assert conn.connection is new, "A opened another connection"
+
+        timed_out = iter([True])
+
+        def publish_or_time_out(body: str) -> None:  # a timeout on the live connection
+            if next(timed_out, False):
+                raise TimeoutError("a wait on the live connection timed out")
+            producer.publish(body)
+
+        conn.ensure(producer, publish_or_time_out, max_retries=3, interval_start=0)(
+            "after the second failover"
+        )
+        b.join(JOIN)
+        assert not b.is_alive(), "B still waits on the connection A's failover ended"
+        assert len(ended) == 1 and isinstance(ended[0], drainer_amqp.ConnectionLost), ended
+        assert conn.connection is not new
+    finally:
+        conn.release()
+        with kombu.Connection(url) as other, other.channel() as cleanup:
+            cleanup.queue_delete(name)
+    assert received == ["after the failover"]
+    assert wait_until(lambda: not set(drainer_threads()) - drainers_before, JOIN)

@@ -77,14 +77,13 @@ class CannotWaitInReadingThread(RuntimeError):
 # names the connection it came from, so that cleanup can leave a newer one alone.
 
 
-def tag(error: BaseException, connection: Any, reconnect_failed: bool = False) -> None:
-    """Record that ``error`` came from ``connection``; ``reconnect_failed``: from an
-    attempt to replace it (``connection`` None: there was none yet)."""
+def tag(error: BaseException, connection: Any) -> None:
+    """Record that ``error`` came from ``connection`` (or, from a failed reconnect, from
+    the connection it was to replace; None: there was none yet)."""
     try:
         error.drainer_connection = (  # type: ignore[attr-defined]
             weakref.ref(connection) if connection is not None else _no_connection
         )
-        error.drainer_reconnect_failed = reconnect_failed  # type: ignore[attr-defined]
     except AttributeError:
         pass  # an exception type without a __dict__ stays untagged
 
@@ -95,28 +94,39 @@ def _no_connection() -> None:
 
 def handling_error_from_another(connection: Any) -> bool:
     """Whether this thread is handling an error that came from another connection than
-    ``connection`` (so ``connection`` is newer than what this thread saw fail)."""
-    origin = getattr(sys.exc_info()[1], "drainer_connection", None)
-    return origin is not None and origin() is not connection
+    ``connection`` (so ``connection`` is newer than what this thread saw fail). kombu's
+    ``collect()`` may run its cleanup inside an ``except AttributeError``: the error that
+    one interrupted (its ``__context__``) counts."""
+    error = sys.exc_info()[1]
+    for _ in range(3):
+        if error is None:
+            return False
+        origin = getattr(error, "drainer_connection", None)
+        if origin is not None:
+            return origin() is not connection
+        error = error.__context__
+    return False
 
 
-def in_failover_after_another(connection: Any) -> bool:
-    """Whether kombu's failover ``switch()`` is running in this thread, after this
-    thread's reconnect failed, and ``connection`` is one another thread opened since.
-    switch() closes the kombu connection's current connection and channel, which then
-    are the other threads' live ones."""
-    if getattr(connection, "reason", True) is not None:
-        return False  # ended already: closing it only releases it
-    if not getattr(sys.exc_info()[1], "drainer_reconnect_failed", False):
-        return False
-    if not handling_error_from_another(connection):
-        return False
+def in_kombu_cleanup() -> bool:
+    """Whether kombu's failover ``switch()`` or its ``collect()`` is running in this
+    thread. kombu calls them while it handles an error (in ``ensure()``, after a failed
+    reconnect), and they close the kombu connection's connection and default channel."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is _KOMBU_SWITCH:
+        if frame.f_code in _KOMBU_CLEANUP:
             return True
         frame = frame.f_back
     return False
 
 
-_KOMBU_SWITCH = KombuConnection.switch.__code__
+def in_failover_after_another(connection: Any) -> bool:
+    """Whether kombu's cleanup is running in this thread for an error from another
+    connection than ``connection``, which is live: one another thread opened since this
+    thread's publish or reconnect failed, which the cleanup must leave open."""
+    if getattr(connection, "reason", True) is not None:
+        return False  # ended already: closing it only releases it
+    return handling_error_from_another(connection) and in_kombu_cleanup()
+
+
+_KOMBU_CLEANUP = (KombuConnection.switch.__code__, KombuConnection.collect.__code__)

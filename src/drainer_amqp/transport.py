@@ -11,8 +11,8 @@ When a link fails, every thread on the ``kombu.Connection`` reconnects through i
 reconnect"): reconnects of one ``kombu.Connection`` take turns, and kombu's cleanup
 (``collect()``, a failover's ``switch()``) in a thread whose error came from another
 connection than kombu's current one leaves that live one alone (kombu forgets it; the
-thread's next reconnect takes it up again). A ``collect()`` while kombu handles a
-recoverable error ends the connection as failed, so the other threads on it retry.
+thread's next reconnect takes it up again). Either, while kombu handles a recoverable
+error of the connection itself, ends it as failed, so the other threads on it retry.
 
 kombu's Hub (the Celery worker's loop): in drainer mode the socket is the drainer's, so
 the Hub watches :meth:`Connection.inbox_fileno` and runs queued callbacks in its thread.
@@ -30,7 +30,13 @@ from amqp.exceptions import RecoverableConnectionError
 from kombu.transport import TRANSPORT_ALIASES, pyamqp
 
 from .connection import Connection as DrainerConnection
-from .errors import ConnectionLost, handling_error_from_another, in_failover_after_another, tag
+from .errors import (
+    ConnectionLost,
+    handling_error_from_another,
+    in_failover_after_another,
+    in_kombu_cleanup,
+    tag,
+)
 
 __all__ = ["SSLTransport", "Transport"]
 
@@ -64,7 +70,7 @@ class Transport(pyamqp.Transport):
             except Exception as exc:
                 # Names the connection this attempt was to replace: a connection that
                 # another thread opens after it is newer (see in_failover_after_another).
-                tag(exc, current, reconnect_failed=True)
+                tag(exc, current)
                 raise
             # kombu's establish_connection copies self.client, which another thread's
             # collect() may have cleared while this one connected: the kombu connection
@@ -75,8 +81,10 @@ class Transport(pyamqp.Transport):
             return connection
 
     def close_connection(self, connection: DrainerConnection) -> None:
-        if in_failover_after_another(connection):
-            return  # another thread's live connection: not this failover's to close
+        if in_kombu_cleanup():  # a failover's switch(), while this thread handles an error
+            if in_failover_after_another(connection):
+                return  # another thread's live connection: not this failover's to close
+            self._fail_after_recoverable_error(connection)
         # Keeps connection.client: other threads' consumers and producers on it find
         # their kombu connection through it.
         connection.close()
@@ -84,15 +92,20 @@ class Transport(pyamqp.Transport):
     def _collect(self, connection: DrainerConnection | None) -> None:
         if connection is None:
             return
-        error = sys.exc_info()[1]  # kombu's ensure() collects while handling an error
-        if connection.reason is None and error is not None:
-            if handling_error_from_another(connection):
-                return  # stale: this thread's error came from a connection already replaced
-            if isinstance(error, self.recoverable_connection_errors):
-                lost = ConnectionLost(f"collected after a recoverable error: {error!r}")
-                lost.__cause__ = error
-                connection.end(lost)  # a failure for the other threads, not a close
+        if connection.reason is None and handling_error_from_another(connection):
+            return  # stale: this thread's error came from a connection already replaced
+        self._fail_after_recoverable_error(connection)
         connection.collect()
+
+    def _fail_after_recoverable_error(self, connection: DrainerConnection) -> None:
+        """kombu is cleaning up (``ensure()``'s ``collect()``, a failover's ``switch()``)
+        while this thread handles a recoverable error of ``connection``: the other
+        threads on it must see a failure and retry, not an intentional close."""
+        error = sys.exc_info()[1]
+        if connection.reason is None and isinstance(error, self.recoverable_connection_errors):
+            lost = ConnectionLost(f"ended by kombu after a recoverable error: {error!r}")
+            lost.__cause__ = error
+            connection.end(lost)
 
     def register_with_event_loop(self, connection: DrainerConnection, loop: Any) -> None:
         if not connection.reader.owns_socket:
