@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import amqp
@@ -478,6 +480,43 @@ def test_200_connect_close_cycles_leave_no_thread_or_descriptor(mode: str, no_le
         conn.channel()
         conn.close()
     assert not drainer_threads()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_connection_dropped_without_close_is_collected_with_its_thread(
+    mode: str, no_leaks: None
+) -> None:
+    """A connection the program drops without ``close()`` (a forgotten one, a pool that
+    lost a race and was replaced) is collected, as a stock py-amqp connection is, and
+    its drainer thread and socket go with it; so is a ``kombu.Connection``, released or
+    dropped."""
+    drainer = mode == "drainer"
+
+    def plain() -> object:
+        conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=drainer)
+        conn.connect()
+        conn.channel().queue_declare("", exclusive=True)
+        return conn
+
+    def through_kombu(release: bool) -> Callable[[], object]:
+        def make() -> object:
+            conn = kombu.Connection(
+                f"drainer-amqp://guest:guest@{BROKER_HOST}//",
+                transport_options={"dedicated_drainer": drainer},
+            )
+            conn.ensure_connection(max_retries=1)
+            conn.default_channel.queue_declare("", exclusive=True)
+            if release:
+                conn.release()
+            return conn
+
+        return make
+
+    for make in (plain, through_kombu(release=False), through_kombu(release=True)):
+        dropped = weakref.ref(make())
+        gc.collect()
+        assert dropped() is None, [type(r) for r in gc.get_referrers(dropped())]
+        assert wait_until(lambda: not drainer_threads(), JOIN), drainer_threads()
 
 
 def test_drainer_stats_are_plain_numbers(connect, queue) -> None:

@@ -13,7 +13,9 @@
 * It never runs user code. While the inbox is full (``sink.reading_paused()``) it stops
   reading, so TCP back-pressure reaches the broker; :meth:`Drainer.wake` resumes it.
 * :meth:`Drainer.stop` wakes the ``select`` at once; the thread exits and reports to
-  ``sink.drainer_exited``.
+  ``sink.drainer_exited``. It holds its connection weakly: a connection dropped without
+  ``close()`` is collected as a stock one is, and its thread then exits and closes the
+  socket.
 * **A waiting thread may read its own reply.** While the thread sleeps in ``select``, a
   caller's thread that waits for a reply or a confirm (:meth:`Drainer.wait`) takes the
   right to read (``_reading``), takes the socket out of the thread's ``select``, and
@@ -38,6 +40,7 @@ import selectors
 import socket
 import ssl
 import threading
+import weakref
 from dataclasses import asdict, dataclass
 from time import monotonic
 from typing import Any, Protocol
@@ -102,7 +105,9 @@ class Drainer:
     reading = False  # no caller's thread ever reads, so none can hold up a close()
 
     def __init__(self, sink: DrainerSink, inbox_limit: int) -> None:
-        self._sink = sink
+        self._sink: DrainerSink = weakref.proxy(sink)  # type: ignore[assignment]
+        # Collected unclosed: the thread exits (at exit, the exit hook closes the rest).
+        weakref.finalize(sink, self.stop_reading).atexit = False
         self.inbox_limit = inbox_limit
         self._wake: SelfPipe | None = None  # from start(): makes the select return
         self._stopping = False  # set once by stop_reading(), read by the thread
@@ -291,6 +296,8 @@ class Drainer:
             selector.close()
         try:
             self._sink.drainer_exited(None if self._stopping else error)
+        except ReferenceError:  # the connection was dropped unclosed, and collected
+            self._sock.close()
         finally:
             self.close()  # the wake-up pair goes with the thread, whoever stopped it
 

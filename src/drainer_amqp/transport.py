@@ -42,7 +42,9 @@ __all__ = ["SSLTransport", "Transport"]
 
 _live_lock = threading.Lock()  # guards _live and _reconnect_locks
 #: Each kombu.Connection's live connection, and the lock its reconnects take in turn.
-_live: weakref.WeakKeyDictionary[Any, DrainerConnection] = weakref.WeakKeyDictionary()
+#: Weak both ways: a connection refers to its kombu.Connection (``client``), so a strong
+#: value would keep every kombu.Connection ever connected alive.
+_live: weakref.WeakKeyDictionary[Any, weakref.ref[DrainerConnection]] = weakref.WeakKeyDictionary()
 _reconnect_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 
 
@@ -60,7 +62,7 @@ class Transport(pyamqp.Transport):
         with _live_lock:
             lock = _reconnect_locks.setdefault(client, threading.Lock())
         with lock:
-            current = _live.get(client)
+            current = _live.get(client, _no_connection)()
             if current is not None and current.reason is None and current.connected:
                 return current  # another thread of this kombu.Connection reconnected first
             if self.client is None:  # detached while this thread waited for the lock
@@ -77,7 +79,7 @@ class Transport(pyamqp.Transport):
             # is the one this reconnect began for.
             connection.client = client
             with _live_lock:
-                _live[client] = connection
+                _live[client] = weakref.ref(connection)
             return connection
 
     def close_connection(self, connection: DrainerConnection) -> None:
@@ -121,6 +123,10 @@ class Transport(pyamqp.Transport):
         if not connection.reader.owns_socket:
             return super().on_readable(connection, loop)
         connection.run_pending_callbacks()
+
+
+def _no_connection() -> None:
+    return None
 
 
 class SSLTransport(Transport, pyamqp.SSLTransport):
