@@ -149,11 +149,19 @@ class FairRLock:
     Legacy mode needs it: Python's own locks are not fair, so a thread looping on
     ``drain_events(timeout=1)`` would take the transport lock back before a waiting
     publisher wakes, and starve it for many read timeouts instead of one.
+
+    Taking and letting go of it while nobody waits costs a C lock's acquire or release
+    and no more (legacy mode takes it twice per delivery acked): ``_held`` is held while
+    some thread owns the lock, and only a thread that has to queue takes ``_mutex``. A
+    release hands ``_held`` on, still held, to the first waiter; a release that found
+    nobody waiting lets it go and looks again, and a waiter that queued looks at
+    ``_held`` again once queued, so one of the two always sees the other.
     """
 
     def __init__(self) -> None:
-        self._mutex = threading.Lock()  # guards _owner, _depth, _waiters
-        self._owner: int | None = None
+        self._held = threading.Lock()  # held while a thread owns the lock
+        self._mutex = threading.Lock()  # guards _waiters, and each hand-over
+        self._owner: int | None = None  # written by the owner, or for it by a hand-over
         self._depth = 0
         self._waiters: deque[tuple[int, threading.Lock]] = deque()
         #: Another thread waits for the lock (a hint: it may change at once). An
@@ -162,43 +170,68 @@ class FairRLock:
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         me = threading.get_ident()
+        if self._owner == me:
+            self._depth += 1
+            return True
+        if not self._waiters and self._held.acquire(blocking=False):
+            self._owner, self._depth = me, 1
+            return True
+        if not blocking:
+            return False
+        turn = threading.Lock()
+        turn.acquire()
+        entry = (me, turn)
         with self._mutex:
-            if self._owner == me:
-                self._depth += 1
-                return True
-            if self._owner is None and not self._waiters:
-                self._owner, self._depth = me, 1
-                return True
-            if not blocking:
-                return False
-            turn = threading.Lock()
-            turn.acquire()
-            entry = (me, turn)
             self._waiters.append(entry)
             self.contended = True
-        if turn.acquire(timeout=lock_timeout(None if timeout < 0 else timeout)):
-            return True  # release() made us the owner before waking us
+            # The owner may have let go since we looked, and found nobody queued.
+            if self._waiters[0] is entry and self._held.acquire(blocking=False):
+                self._waiters.popleft()
+                self.contended = bool(self._waiters)
+                self._owner, self._depth = me, 1
+                return True
+        try:
+            if turn.acquire(timeout=lock_timeout(None if timeout < 0 else timeout)):
+                return True  # a release made us the owner before waking us
+        except BaseException:  # interrupted: as if this thread had never come
+            if self._give_up(entry):
+                self.release()
+            raise
+        return self._give_up(entry)
+
+    def _give_up(self, entry: tuple[int, threading.Lock]) -> bool:
+        """A waiter stops waiting: out of the queue, unless a release made it the owner
+        just now (then True: it owns the lock)."""
         with self._mutex:
-            if self._owner == me:  # handed over just as we timed out
+            if self._owner == entry[0]:
                 return True
             self._waiters.remove(entry)
             self.contended = bool(self._waiters)
             return False
 
     def release(self) -> None:
-        with self._mutex:
-            if self._owner != threading.get_ident():
-                raise RuntimeError("cannot release un-acquired lock")
+        if self._owner != threading.get_ident():
+            raise RuntimeError("cannot release un-acquired lock")
+        if self._depth > 1:
             self._depth -= 1
-            if self._depth:
+            return
+        let_go = not self._waiters
+        if let_go:
+            self._owner, self._depth = None, 0
+            self._held.release()
+            if not self._waiters:
                 return
+        with self._mutex:  # a waiter: hand it _held (taken back if we let it go)
+            if let_go and not self._held.acquire(blocking=False):
+                return  # taken meanwhile (by the waiter, or another): not ours to hand
             if self._waiters:
                 self._owner, turn = self._waiters.popleft()
                 self.contended = bool(self._waiters)
                 self._depth = 1
                 turn.release()
-            else:
-                self._owner = None
+            else:  # the waiter timed out meanwhile
+                self._owner, self._depth = None, 0
+                self._held.release()
 
     def __enter__(self) -> bool:
         return self.acquire()
