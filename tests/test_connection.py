@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import signal
 import socket
 import threading
 import time
@@ -480,6 +481,48 @@ def test_200_connect_close_cycles_leave_no_thread_or_descriptor(mode: str, no_le
         conn.channel()
         conn.close()
     assert not drainer_threads()
+
+
+def test_an_interrupted_drain_events_leaves_the_legacy_lock_to_the_others(connect, queue) -> None:
+    """Legacy mode: Ctrl-C in the main thread's ``drain_events()`` while it waits for the
+    transport lock (another thread is writing) must leave the connection to the other
+    threads: their publishes go on, and so does the main thread."""
+    conn = connect("legacy")
+    channel = conn.channel()
+    writing, written = threading.Event(), threading.Event()
+
+    def write_meanwhile() -> None:
+        with conn.transport_lock:  # a publisher mid-write
+            writing.set()
+            written.wait(JOIN)
+
+    def interrupt_once_queued() -> None:
+        if wait_until(lambda: len(conn.transport_lock._waiters) == 1, JOIN, interval=0.001):
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    writer = threading.Thread(target=write_meanwhile, daemon=True)
+    writer.start()
+    assert writing.wait(JOIN)
+    interrupter = threading.Thread(target=interrupt_once_queued, daemon=True)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        conn.drain_events(timeout=JOIN)  # pytest runs tests in the main thread
+    written.set()
+    writer.join(JOIN)
+    interrupter.join(JOIN)
+
+    published: list[str] = []
+
+    def publish() -> None:
+        channel.basic_publish(amqp.Message("from another thread"), routing_key=queue)
+        published.append("other")
+
+    other = threading.Thread(target=publish, daemon=True)
+    other.start()
+    other.join(JOIN)
+    assert published == ["other"], "the other thread's publish waits for a lock nobody holds"
+    channel.basic_publish(amqp.Message("from the main thread"), routing_key=queue)
+    assert wait_until(lambda: count_messages(conn, queue) == 2, JOIN)
 
 
 @pytest.mark.parametrize("mode", MODES)
