@@ -145,6 +145,10 @@ class _Refused(Exception):  # noqa: N818 - internal: carries the channel's close
         self.error = error
 
 
+#: py-amqp's dispatch, which runs a method's callbacks: what the inbox runs for a channel.
+_dispatch_now = pyamqp.Channel.dispatch_method
+
+
 class ChannelConnection(Protocol):
     """What a channel uses of its :class:`drainer_amqp.Connection`."""
 
@@ -207,6 +211,8 @@ class Channel(pyamqp.Channel):
         self._prepared: dict[int, Waiter] = {}  # thread id -> wait registered before writing
         # A Basic.Return read just before its message's ack (reading thread only).
         self._returned: tuple[bytes, Any] | None = None
+        # The inbox key of the last consumer a delivery came for (reading thread only).
+        self._inbox_key: tuple[int | None, str | None] = (None, None)
         self._ended_connection: ChannelConnection | None = None
         # Held by the thread that selects confirms (the first confirmed publish) until
         # SelectOk, so that racing threads send Confirm.Select once.
@@ -456,8 +462,10 @@ class Channel(pyamqp.Channel):
             return super().dispatch_method(method_sig, payload, content)
         waiter = self._pending.pop(method_sig, None)  # CancelOk: basic_cancel waits for it
         consumer = first_short_string(payload) if method_sig in _QUEUED_BY_CONSUMER else None
-        key = (self.channel_id, consumer)
-        conn.inbox.post(key, super().dispatch_method, method_sig, payload, content)
+        key = self._inbox_key  # one tuple fewer per delivery: see Inbox
+        if key[1] != consumer or key[0] != self.channel_id:
+            key = self._inbox_key = (self.channel_id, consumer)
+        conn.inbox.post(key, _dispatch_now, self, method_sig, payload, content)
         if waiter is not None:
             waiter(method_sig, first_short_string(payload))
 
@@ -493,7 +501,7 @@ class Channel(pyamqp.Channel):
         error = _return_error(payload)
         if method_sig != _ACK or not self.confirms.fail(delivery_tag, error):
             key = (self.channel_id, None)
-            conn.inbox.post(key, super().dispatch_method, spec.Basic.Return, payload, content)
+            conn.inbox.post(key, _dispatch_now, self, spec.Basic.Return, payload, content)
 
     def _on_close(self, reply_code: int, reply_text: str, class_id: int, method_id: int) -> None:
         conn = self.connection

@@ -186,7 +186,9 @@ class Confirms:
             waiter.fail(error)
 
 
-Callback = tuple[Hashable, Callable[..., Any], tuple[Any, ...]]
+#: ``(key, function, *args)``: one tuple per callback (a consumer's backlog of them is
+#: what the garbage collector walks).
+Callback = tuple[Any, ...]
 
 
 class Inbox:
@@ -231,7 +233,7 @@ class Inbox:
         with self._lock:
             if self._ended:
                 return
-            self._items.append((key, function, args))
+            self._items.append((key, function, *args))
             if self.limit and len(self._items) >= self.limit:
                 self.full = True
             if self._sleepers:
@@ -273,7 +275,7 @@ class Inbox:
             item = self._take(None)
             if item is None:
                 return False
-            item[1](*item[2])
+            item[1](*item[2:])
             return True
         finally:
             self._run_lock.release()
@@ -283,7 +285,7 @@ class Inbox:
         cancelled), in order."""
         with self._run_lock:
             while (item := self._take(key)) is not None:
-                item[1](*item[2])
+                item[1](*item[2:])
 
     def _take(self, key: Hashable | None) -> Callback | None:
         room = empty = False
