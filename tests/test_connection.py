@@ -525,6 +525,57 @@ def test_an_interrupted_drain_events_leaves_the_legacy_lock_to_the_others(connec
     assert wait_until(lambda: count_messages(conn, queue) == 2, JOIN)
 
 
+def test_an_interrupted_legacy_publish_behind_a_reader_is_written_and_keeps_the_connection(
+    connect, queue
+) -> None:
+    """Legacy mode: Ctrl-C lands while the main thread's confirmed publish waits for the
+    socket, which a thread in ``drain_events()`` holds. Nothing was written yet, and the
+    message was numbered for its confirm: it is written once the reader lets go, then
+    the interrupt propagates; the connection and the confirms' numbering go on."""
+    conn = connect("legacy")
+    channel = conn.channel()
+    channel.confirm_select()
+    pokes = channel.queue_declare("", exclusive=True).queue
+    channel.basic_consume(pokes, no_ack=True, callback=lambda message: None)
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def poke() -> None:  # a delivery: the reader's read returns, and it lets go
+        with amqp.Connection(host=BROKER_HOST) as other:
+            other.channel().basic_publish(amqp.Message("poke"), routing_key=pokes)
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                conn.drain_events(timeout=JOIN)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                failures.append(exc)
+                return
+
+    def interrupt_once_queued() -> None:
+        if wait_until(lambda: len(conn.transport_lock._waiters) == 1, JOIN, interval=0.001):
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            poke()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert wait_until(lambda: conn.dispatching_thread == reader.ident, JOIN, interval=0.001)
+    interrupter = threading.Thread(target=interrupt_once_queued, daemon=True)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            channel.basic_publish_confirm(amqp.Message("interrupted"), routing_key=queue)
+        interrupter.join(JOIN)
+        assert conn.reason is None, conn.reason
+        channel.basic_publish_confirm(amqp.Message("after"), routing_key=queue, timeout=JOIN)
+    finally:
+        stop.set()
+        poke()
+        reader.join(JOIN)
+    assert not failures, failures
+    assert count_messages(conn, queue) == 2
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_connection_dropped_without_close_is_collected_with_its_thread(
     mode: str, no_leaks: None

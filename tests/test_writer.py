@@ -80,7 +80,7 @@ class FakeSocket:
         self.data += payload
 
 
-def make_writer(sock: object) -> Writer:
+def make_writer(sock: object, io_lock: object = None) -> Writer:
     """A writer whose socket errors end it, as a connection's do."""
     box: list[Writer] = []
 
@@ -88,7 +88,7 @@ def make_writer(sock: object) -> Writer:
         box[0].fail(lambda: ConnectionError(f"socket failed: {exc}"))
         return ConnectionError(f"socket failed: {exc}")
 
-    writer = Writer(sock, threading.RLock(), on_error)  # type: ignore[arg-type]
+    writer = Writer(sock, io_lock or threading.RLock(), on_error)  # type: ignore[arg-type]
     box.append(writer)
     return writer
 
@@ -606,6 +606,107 @@ def test_an_interrupt_between_a_leaders_write_and_its_hand_over_hands_over(
     assert b_out == ["ok"]
     assert bytes(sock.data) == b"AB", "written twice, or not at all"
     assert_idle_and_working(writer, sock)
+
+
+class ReaderHeldLock:
+    """A writer's ``io_lock`` as in legacy mode, where a reader holds it while it reads:
+    ``hold()`` takes it in a thread of its own until ``let_go()``. ``first_wait[name]``
+    runs as the thread ``name`` first waits for it (a signal handler that raises, say)."""
+
+    def __init__(self, first_wait: dict[str, Callable[[], None]]) -> None:
+        self._lock = threading.RLock()
+        self._first_wait = dict(first_wait)
+        self._release = threading.Event()
+        self._holder: threading.Thread | None = None
+
+    def hold(self) -> None:
+        held = threading.Event()
+
+        def reader() -> None:
+            with self._lock:
+                held.set()
+                self._release.wait(JOIN)
+
+        self._holder = start(reader, "reader")
+        assert held.wait(JOIN)
+
+    def let_go(self) -> None:
+        self._release.set()
+        if self._holder is not None:
+            self._holder.join(JOIN)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        first_wait = self._first_wait.pop(threading.current_thread().name, None)
+        if first_wait is not None:
+            first_wait()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def test_an_interrupt_while_the_leader_waits_for_the_socket_still_writes_its_batch() -> None:
+    """Legacy mode: the leader waits for the socket, which a reader holds, and a signal
+    lands in that wait. Nothing was written, but its message (and Y's, queued behind)
+    were taken, numbered: it writes them once the reader lets go, then raises; the
+    connection goes on, with the numbering matching the wire."""
+    tags: dict[bytes, int] = {}
+    take_for = numbering(tags)
+    sock = FakeSocket()
+    interrupted = threading.Event()
+
+    def signal_handler() -> None:
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    io_lock = ReaderHeldLock({"X": signal_handler})
+    writer = make_writer(sock, io_lock)
+    io_lock.hold()
+    x, x_out = sender(writer, b"X", "X", take=take_for(b"X"))
+    assert interrupted.wait(JOIN)
+    y, y_out = sender(writer, b"Y", "Y", take=take_for(b"Y"))
+    queued(writer, 1)
+    io_lock.let_go()
+    for thread in (x, y):
+        thread.join(JOIN)
+    assert isinstance(x_out[0], KeyboardInterrupt), x_out
+    assert y_out == ["ok"], y_out
+    assert bytes(sock.data) == b"XY"
+    assert tags == {b"X": 1, b"Y": 2}
+    assert_idle_and_working(writer, sock)
+
+
+def test_a_leader_that_cannot_get_the_socket_by_its_deadline_ends_the_connection() -> None:
+    """The reader keeps the socket past the leader's deadline: the leader's message was
+    taken (numbered), so it must be written or the connection must end. It ends, at
+    about the deadline, for every thread: the leader and the sender queued behind it
+    raise, and later sends too."""
+    sock = FakeSocket()
+    box: list[Writer] = []
+    io_lock = ReaderHeldLock({"X": lambda: queued(box[0], 1)})  # Y queues first
+    writer = make_writer(sock, io_lock)
+    box.append(writer)
+    io_lock.hold()
+    try:
+        started = time.monotonic()
+        x, x_out = sender(writer, b"X", "X", timeout=0.2)
+        queued_behind, behind_out = sender(writer, b"Y", "Y")
+        for thread in (x, queued_behind):
+            thread.join(JOIN)
+        assert time.monotonic() - started < JOIN / 2
+        assert isinstance(x_out[0], ConnectionError), x_out
+        assert isinstance(behind_out[0], ConnectionError), behind_out
+        with pytest.raises(ConnectionError):
+            writer.send([b"Z"])
+    finally:
+        io_lock.let_go()
+    assert bytes(sock.data) == b""
 
 
 def test_an_endless_timeout_is_no_timeout() -> None:

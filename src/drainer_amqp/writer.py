@@ -35,9 +35,10 @@ A thread with a complete message (all its frames, already encoded) calls
 * **Every way out restores the turn.** A timeout or an exception (``KeyboardInterrupt``
   from a signal handler) in a waiting thread removes its message if it was not taken;
   a thread that was handed the lead, or that leads, writes what it was handed and hands
-  on the lead before the exception propagates. State changes happen under the lock, and
-  the wake-ups after it can be repeated, so the clean-up can always finish what the
-  interrupted step began.
+  on the lead before the exception propagates (also if it came while the thread waited
+  for ``io_lock``: nothing was written then; that wait is bounded by ``CLEAN_UP_WAIT``).
+  State changes happen under the lock, and the wake-ups after it can be repeated, so
+  the clean-up can always finish what the interrupted step began.
 
 ``block=False`` (heartbeats, and the replies of the thread that reads) never sleeps:
 the message is queued for the leader, or written at once when nobody is writing.
@@ -80,6 +81,12 @@ __all__ = ["Writer"]
 _QUEUED, _TAKEN, _LEAD, _WRITTEN, _FAILED = range(5)
 #: How often an interrupted clean-up is taken up again before it gives up.
 _CLEAN_UP_TRIES = 10
+#: How long the clean-up of an interrupted call may wait for the socket to write what it
+#: leads (seconds); then the connection ends.
+CLEAN_UP_WAIT = 5.0
+#: A leader whose deadline has passed (handed the lead just then) still waits this long
+#: for ``io_lock``, which the flusher and TLS reads hold only for moments (seconds).
+_IO_LOCK_GRACE = 0.1
 #: Bytes queued to be written behind, at most (beyond, a send written behind is written
 #: by its thread, in turn): about a thousand small publishes.
 UNWRITTEN_LIMIT = 128 * 1024
@@ -352,6 +359,9 @@ class Writer:
             if message.state == _QUEUED and message in self._queue:
                 self._queue.remove(message)
                 return
+        # An interrupted lead may still wait for the socket: not for ever.
+        bound = monotonic() + CLEAN_UP_WAIT
+        deadline = bound if deadline is None else min(deadline, bound)
         for _ in range(_CLEAN_UP_TRIES):
             try:
                 self._lead(message, deadline)
@@ -370,6 +380,7 @@ class Writer:
             if mine.state != _LEAD:
                 return
             if mine.batch:
+                self._take_socket(mine, deadline)  # interrupted: nothing written, still ours
                 try:
                     self._write(mine.batch, deadline)
                 except BaseException as exc:
@@ -377,6 +388,20 @@ class Writer:
                     raise
                 mine.written, mine.batch = mine.batch, []
             self._hand_over(mine)
+
+    def _take_socket(self, mine: _Message, deadline: float | None) -> None:
+        """Take ``io_lock`` for the write of ``mine.batch`` (in legacy mode a reader may
+        hold it). An interrupt while waiting for it leaves the lead as it was: nothing
+        is written, and the caller's clean-up (:meth:`_withdraw`) takes it up again. At
+        ``deadline`` the batch, taken, is still unwritten: the connection ends, as when a
+        write does not end in time."""
+        wait = None if deadline is None else max(deadline - monotonic(), _IO_LOCK_GRACE)
+        if self.io_lock.acquire(timeout=lock_timeout(wait)):
+            return
+        exc = TimeoutError("write timed out: another thread held the socket")
+        error = self._on_error(exc)
+        self._failed(mine, exc)
+        raise error from exc
 
     def _hand_over(self, mine: _Message) -> None:
         """After ``mine.written`` is written: take the queue as the next batch and give it
@@ -560,11 +585,15 @@ class Writer:
         return self._error()
 
     def _write(self, batch: list[_Message], deadline: float | None) -> None:
-        chunks = batch[0].chunks if len(batch) == 1 else [c for m in batch for c in m.chunks]
-        payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        """Write ``batch`` under ``io_lock`` (taken by :meth:`_take_socket`), and let go
+        of it."""
         sock = self._sock
         try:
-            with self.io_lock:
+            try:
+                chunks = (
+                    batch[0].chunks if len(batch) == 1 else [c for m in batch for c in m.chunks]
+                )
+                payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 if deadline is None:
                     sock.sendall(payload)
                 else:
@@ -574,6 +603,8 @@ class Writer:
                         sock.sendall(payload)
                     finally:
                         sock.settimeout(previous)
+            finally:
+                self.io_lock.release()
         except OSError as exc:  # socket.timeout too: part of a frame may be on the wire
             raise self._on_error(exc) from exc
         except BaseException as exc:  # interrupted mid-write: the stream may end mid-frame
