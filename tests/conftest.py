@@ -1,6 +1,7 @@
 """Shared fixtures: the broker, the Toxiproxy-compatible proxy, extra RabbitMQ nodes, and
 leak checks."""
 
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -19,3 +20,13 @@ def switching(request: pytest.FixtureRequest) -> Iterator[None]:
         sys.setswitchinterval(1e-6)
     yield
     sys.setswitchinterval(previous)
+
+
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` in the main thread, as in a terminal, also when
+    the suite was started in the background (a shell's ``&`` ignores SIGINT, and Python
+    then keeps it ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -39,13 +39,16 @@ def consume_all(queue: str, expected: int) -> list[bytes]:
     try:
         channel = conn.channel()
         channel.basic_qos(0, 2000, False)
-        channel.basic_consume(queue, callback=lambda m: bodies.append(m.body), no_ack=True)
+        tag = channel.basic_consume(queue, callback=lambda m: bodies.append(m.body), no_ack=True)
         deadline = time.monotonic() + JOIN * 4
         while len(bodies) < expected and time.monotonic() < deadline:
             try:
                 conn.drain_events(timeout=1)
             except TimeoutError:
                 pass
+        # What the broker pushed to the consumer and is not counted yet (it left the
+        # queue) runs as the consumer is cancelled; then what the queue still holds.
+        channel.basic_cancel(tag)
         return bodies + [m.body for m in iter(lambda: channel.basic_get(queue), None)]
     finally:
         conn.close()

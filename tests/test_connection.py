@@ -483,7 +483,9 @@ def test_200_connect_close_cycles_leave_no_thread_or_descriptor(mode: str, no_le
     assert not drainer_threads()
 
 
-def test_an_interrupted_drain_events_leaves_the_legacy_lock_to_the_others(connect, queue) -> None:
+def test_an_interrupted_drain_events_leaves_the_legacy_lock_to_the_others(
+    connect, queue, sigint_raises: None
+) -> None:
     """Legacy mode: Ctrl-C in the main thread's ``drain_events()`` while it waits for the
     transport lock (another thread is writing) must leave the connection to the other
     threads: their publishes go on, and so does the main thread."""
@@ -526,7 +528,7 @@ def test_an_interrupted_drain_events_leaves_the_legacy_lock_to_the_others(connec
 
 
 def test_an_interrupted_legacy_publish_behind_a_reader_is_written_and_keeps_the_connection(
-    connect, queue
+    connect, queue, sigint_raises: None
 ) -> None:
     """Legacy mode: Ctrl-C lands while the main thread's confirmed publish waits for the
     socket, which a thread in ``drain_events()`` holds. Nothing was written yet, and the
@@ -567,12 +569,12 @@ def test_an_interrupted_legacy_publish_behind_a_reader_is_written_and_keeps_the_
             channel.basic_publish_confirm(amqp.Message("interrupted"), routing_key=queue)
         interrupter.join(JOIN)
         assert conn.reason is None, conn.reason
-        channel.basic_publish_confirm(amqp.Message("after"), routing_key=queue, timeout=JOIN)
     finally:
         stop.set()
-        poke()
+        poke()  # the reader's last read returns: it stops
         reader.join(JOIN)
     assert not failures, failures
+    channel.basic_publish_confirm(amqp.Message("after"), routing_key=queue, timeout=JOIN)
     assert count_messages(conn, queue) == 2
 
 

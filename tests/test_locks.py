@@ -74,7 +74,7 @@ def test_a_timed_out_waiter_leaves_the_queue() -> None:
     lock.release()
 
 
-def test_an_interrupted_waiter_leaves_the_queue() -> None:
+def test_an_interrupted_waiter_leaves_the_queue(sigint_raises: None) -> None:
     """A ``KeyboardInterrupt`` in a thread waiting for the lock (legacy mode: the main
     thread waits for the transport lock in ``drain_events()``) leaves it as if that
     thread had never come: a later release must not hand the lock to it."""
