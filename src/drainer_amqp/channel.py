@@ -711,13 +711,15 @@ class Channel(pyamqp.Channel):
             except TimeoutError:
                 pass  # reported below
         left = None if deadline is None else deadline - monotonic()
-        dispatching = conn.dispatching_thread
-        reads_confirms = dispatching is not None and dispatching == threading.get_ident()
-        if reads_confirms and conn.reader.owns_socket:
-            left = 0  # a done callback: only this thread would read the confirms that free room
+        # A done callback (drainer mode): only this thread would read the confirms that free room.
+        reads_confirms = (
+            conn.reader.owns_socket and conn.dispatching_thread == threading.get_ident()
+        )
+        if reads_confirms:
+            left = 0
         if not window.enter(left):
             conn.raise_if_ended()
-            if reads_confirms and conn.reader.owns_socket:
+            if reads_confirms:
                 raise CannotWaitInReadingThread(
                     f"basic_publish_deferred: {conn.unconfirmed.size} confirms outstanding "
                     "(max_unconfirmed), and this thread reads them (a done callback): it "

@@ -62,7 +62,8 @@ class Transport(pyamqp.Transport):
         with _live_lock:
             lock = _reconnect_locks.setdefault(client, threading.Lock())
         with lock:
-            current = _live.get(client, _no_connection)()
+            live = _live.get(client)
+            current = live() if live is not None else None
             if current is not None and current.reason is None and current.connected:
                 return current  # another thread of this kombu.Connection reconnected first
             if self.client is None:  # detached while this thread waited for the lock
@@ -83,7 +84,7 @@ class Transport(pyamqp.Transport):
             return connection
 
     def close_connection(self, connection: DrainerConnection) -> None:
-        if in_kombu_cleanup():  # a failover's switch(), while this thread handles an error
+        if in_kombu_cleanup():  # kombu's switch() or collect(), handling an error
             if in_failover_after_another(connection):
                 return  # another thread's live connection: not this failover's to close
             self._fail_after_recoverable_error(connection)
@@ -123,10 +124,6 @@ class Transport(pyamqp.Transport):
         if not connection.reader.owns_socket:
             return super().on_readable(connection, loop)
         connection.run_pending_callbacks()
-
-
-def _no_connection() -> None:
-    return None
 
 
 class SSLTransport(Transport, pyamqp.SSLTransport):

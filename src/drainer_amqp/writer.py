@@ -380,9 +380,10 @@ class Writer:
             if mine.state != _LEAD:
                 return
             if mine.batch:
+                payload = self._joined(mine.batch)  # before the socket is taken
                 self._take_socket(mine, deadline)  # interrupted: nothing written, still ours
                 try:
-                    self._write(mine.batch, deadline)
+                    self._write(payload, deadline)
                 except BaseException as exc:
                     self._failed(mine, exc)
                     raise
@@ -553,6 +554,11 @@ class Writer:
         return not self._unsent
 
     @staticmethod
+    def _joined(batch: list[_Message]) -> bytes | memoryview:
+        chunks = batch[0].chunks if len(batch) == 1 else [c for m in batch for c in m.chunks]
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    @staticmethod
     def _payload(batch: list[_Message]) -> memoryview:
         return memoryview(b"".join(chunk for message in batch for chunk in message.chunks))
 
@@ -584,16 +590,12 @@ class Writer:
         assert self._error is not None  # set before any message fails without its own error
         return self._error()
 
-    def _write(self, batch: list[_Message], deadline: float | None) -> None:
-        """Write ``batch`` under ``io_lock`` (taken by :meth:`_take_socket`), and let go
+    def _write(self, payload: bytes | memoryview, deadline: float | None) -> None:
+        """Write ``payload`` under ``io_lock`` (taken by :meth:`_take_socket`), and let go
         of it."""
         sock = self._sock
         try:
             try:
-                chunks = (
-                    batch[0].chunks if len(batch) == 1 else [c for m in batch for c in m.chunks]
-                )
-                payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 if deadline is None:
                     sock.sendall(payload)
                 else:
