@@ -195,7 +195,7 @@ def test_a_send_returns_only_once_its_bytes_are_written() -> None:
     follower, outcome = sender(writer, b"B", "follower")
     queued(writer, 1)  # B's thread is asleep in the writer
     assert not outcome, "B returned before it was written"
-    sock.permit()  # A's write ends; B's thread is handed the lead and writes B
+    sock.permit()  # A's write ends; B's thread is woken, leads and writes B
     leader.join(JOIN)
     entered(sock)
     assert not outcome, "B returned before its own write ended"
@@ -206,13 +206,13 @@ def test_a_send_returns_only_once_its_bytes_are_written() -> None:
     assert sock.calls == ["leader", "follower"]
 
 
-def test_the_leader_writes_one_batch_and_hands_the_queue_to_its_first_waiter() -> None:
+def test_the_leader_writes_one_batch_and_wakes_its_first_waiter_to_lead_the_queue() -> None:
     sock, writer, leader = busy_writer()
     b, b_out = sender(writer, b"B", "B")
     queued(writer, 1)
     c, c_out = sender(writer, b"C", "C")
     queued(writer, 2)
-    sock.permit()  # A is written: the leader's call ends, B leads B and C
+    sock.permit()  # A is written: the leader's call ends, B is woken and leads B and C
     leader.join(JOIN)
     assert not leader.is_alive(), "the leader did not return after its batch"
     entered(sock)
@@ -554,25 +554,104 @@ def test_an_interrupt_while_queued_removes_the_message_and_keeps_the_turns(
     assert_idle_and_working(writer, sock)
 
 
-def test_an_interrupt_after_being_handed_the_lead_still_writes_the_batch(
-    monkeypatch: pytest.MonkeyPatch, switching: None
+@pytest.mark.parametrize("left", ["waiter", "reply", "reply, with a flusher"])
+def test_an_interrupt_as_it_is_woken_to_lead_passes_the_turn_on(
+    monkeypatch: pytest.MonkeyPatch, switching: None, left: str
 ) -> None:
-    """The interrupted thread had been handed the queue (its message and Y's): it writes
-    them and hands on the lead before its KeyboardInterrupt propagates."""
+    """X, first in the queue, is woken to lead it (nobody leads) and a signal lands just
+    then: X's message leaves unwritten and its KeyboardInterrupt propagates, and the
+    turn passes on: Y, waiting behind it, leads; a reply nobody waits for is written by
+    X's clean-up, or by the flusher if there is one."""
     raised = interrupt_wait_of(monkeypatch, b"X", after_wake=True)
     sock, writer, leader = busy_writer()
+    wakes: list[str] = []
+    if left.endswith("flusher"):
+        writer.flusher_wake = lambda: wakes.append("wake")
     x, x_out = sender(writer, b"X", "X")
+    queued(writer, 1)
+    threads = [leader, x]
+    if left == "waiter":
+        y, y_out = sender(writer, b"Y", "Y")
+        threads.append(y)
+        queued(writer, 2)
+    else:
+        writer.send([b"Y"], block=False)
+    sock.release_all()
+    for thread in threads:
+        thread.join(JOIN)
+    assert raised.is_set()
+    assert isinstance(x_out[0], KeyboardInterrupt), x_out
+    if left == "waiter":
+        assert y_out == ["ok"], "the queue was left without a leader"
+    if left.endswith("flusher"):
+        assert wakes == ["wake"] and bytes(sock.data) == b"A"
+        assert writer.flush() is False
+    assert bytes(sock.data) == b"AY", "raised, yet written; or Y never written"
+    assert sock.calls[-1] == {"waiter": "Y", "reply": "X"}.get(left, "MainThread")
+    assert_idle_and_working(writer, sock)
+
+
+def test_a_timeout_as_it_is_woken_to_lead_passes_the_turn_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the interrupt above, with X's timer firing as it is woken: it raises "not
+    draining" (nothing of it was written) and Y, behind it, leads."""
+    real_wait = _Message.wait
+
+    def wait_then_time_out(message: _Message, timeout: float | None) -> bool:
+        if message.chunks != [b"X"]:
+            return real_wait(message, timeout)
+        assert real_wait(message, JOIN), "X was never woken"
+        return False
+
+    monkeypatch.setattr(_Message, "wait", wait_then_time_out)
+    sock, writer, leader = busy_writer()
+    x, x_out = sender(writer, b"X", "X", timeout=JOIN)
     queued(writer, 1)
     y, y_out = sender(writer, b"Y", "Y")
     queued(writer, 2)
     sock.release_all()
     for thread in (leader, x, y):
         thread.join(JOIN)
-    assert raised.is_set()
-    assert isinstance(x_out[0], KeyboardInterrupt), x_out
-    assert y_out == ["ok"], "the orphaned batch was never written"
-    assert bytes(sock.data) == b"AXY"
-    assert sock.calls == ["leader", "X"]
+    assert isinstance(x_out[0], TimeoutError) and "not draining" in str(x_out[0]), x_out
+    assert y_out == ["ok"]
+    assert bytes(sock.data) == b"AY"
+    assert_idle_and_working(writer, sock)
+
+
+def test_a_newcomer_leads_the_queue_while_its_woken_waiter_sleeps_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the leader's write is done it lets go of the lead and wakes B, first in the
+    queue; C, who comes before B runs, leads at once, B's message and its own in one
+    write; B finds its message written and returns. The socket never waits for a
+    sleeping thread's wake-up."""
+    real_wait = _Message.wait
+    b_woken = threading.Event()
+    c_done = threading.Event()
+
+    def wait(message: _Message, timeout: float | None) -> bool:
+        if message.chunks != [b"B"] or b_woken.is_set():
+            return real_wait(message, timeout)
+        assert real_wait(message, JOIN), "B was never woken"
+        b_woken.set()
+        assert c_done.wait(JOIN), "C never returned"  # B is slow to run
+        return True
+
+    monkeypatch.setattr(_Message, "wait", wait)
+    sock, writer, leader = busy_writer()
+    b, b_out = sender(writer, b"B", "B")
+    queued(writer, 1)
+    sock.release_all()
+    leader.join(JOIN)
+    assert b_woken.wait(JOIN)
+    assert not writer.busy, "the lead waits for a sleeping thread"
+    writer.send([b"C"])  # this thread leads B's message and its own
+    c_done.set()
+    b.join(JOIN)
+    assert b_out == ["ok"]
+    assert bytes(sock.data) == b"ABC"
+    assert sock.calls == ["leader", threading.current_thread().name]
     assert_idle_and_working(writer, sock)
 
 

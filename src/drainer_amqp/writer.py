@@ -8,14 +8,15 @@ A thread with a complete message (all its frames, already encoded) calls
   ``close()``, an exit) comes after the message on the wire, and a link failure loses
   only what the kernel had accepted, as with stock py-amqp.
 * **One writer at a time, in turns.** If nobody is writing, the caller becomes the
-  *leader* and writes its own message. Otherwise it joins the queue and sleeps. When
-  a leader's write is done, it takes the whole queue as the next batch and hands it to
-  the first waiter in it, who writes it as one ``sendall``, and so on; then it wakes
-  every waiter whose message it wrote (the next write need not wait for those wake-ups).
-  First come, first served: a call waits for at most the batch being written, then its
-  own batch is written (by itself or by the leader ahead of it). Nobody waits behind a
-  stream of newcomers, and a leader writes its own batch, then at most the replies
-  nobody waits for, before it returns.
+  *leader*: it takes the whole queue, and its own message, as one batch and writes it
+  as one ``sendall``. Otherwise it joins the queue and sleeps. When a leader's write
+  is done, it lets go of the lead and wakes every waiter whose message it wrote, and
+  the first waiter still queued, who then leads the queue, unless a thread that came
+  meanwhile, awake already, leads it first (so the socket does not wait for a
+  sleeping thread's wake-up, and threads do not queue behind one). First come, first
+  served: a call waits for at most the batch being written, then its message goes out
+  in the next batch. Nobody waits behind a stream of newcomers, and a leader writes
+  one batch, then at most the replies nobody waits for, before it returns.
 * **Taken means written.** A message is *taken* when it enters a batch that is about to
   be written: its ``take`` callback runs then, under the writer's lock, in batch order
   (so a delivery tag given there is the broker's count), and may refuse the message by
@@ -33,10 +34,12 @@ A thread with a complete message (all its frames, already encoded) calls
   and refuses every later ``send`` with ``error()`` in the same step, so nothing can be
   written behind it and reported as sent.
 * **Every way out restores the turn.** A timeout or an exception (``KeyboardInterrupt``
-  from a signal handler) in a waiting thread removes its message if it was not taken;
-  a thread that was handed the lead, or that leads, writes what it was handed and hands
-  on the lead before the exception propagates (also if it came while the thread waited
-  for ``io_lock``: nothing was written then; that wait is bounded by ``CLEAN_UP_WAIT``).
+  from a signal handler) in a waiting thread removes its message if it was not taken
+  (and, if nobody leads, wakes the next waiter to lead the queue, or writes what is
+  left in it, the replies nobody waits for); a thread that leads writes its batch and
+  lets go of the lead before the exception propagates (also if it came while the
+  thread waited for ``io_lock``: nothing was written then; that wait is bounded by
+  ``CLEAN_UP_WAIT``).
   State changes happen under the lock, and the wake-ups after it can be repeated, so
   the clean-up can always finish what the interrupted step began.
 
@@ -334,31 +337,78 @@ class Writer:
             flusher_wake()
 
     def _await_turn(self, message: _Message, deadline: float | None) -> None:
-        """Sleep until ``message`` is written (return), failed (raise), or handed the
-        lead (write its batch)."""
-        if not message.wait(None if deadline is None else deadline - monotonic()):
-            with self._lock:
-                if message.state == _QUEUED:
-                    self._queue.remove(message)
+        """Sleep until ``message`` is written (return) or failed (raise); woken while it
+        is still queued and nobody leads, lead the queue (write it as one batch)."""
+        while True:
+            if not message.wait(None if deadline is None else deadline - monotonic()):
+                with self._lock:
+                    unqueued = message.state == _QUEUED
+                    flush = unqueued and self._unqueue(message)
+                if flush:
+                    self._wake_flusher()
+                if unqueued:  # the turn it passed on is taken up by send's clean-up
                     raise TimeoutError("write timed out: the socket is not draining")
-            if message.state == _TAKEN:
-                raise TimeoutError(
-                    "write timed out while its batch was being written: it may have been"
-                )
+                if message.state == _TAKEN:
+                    raise TimeoutError(
+                        "write timed out while its batch was being written: it may have been"
+                    )
+            if message.state == _QUEUED:
+                with self._lock:
+                    if message.state == _QUEUED and not self._leading:
+                        self._lead_queue(message)
+            if message.state not in (_QUEUED, _TAKEN):
+                break
         if message.state == _FAILED:
+            self._wake_owed(message)
             raise self._failure(message)
         if message.state == _LEAD:
             self._lead(message, deadline)
 
+    def _lead_queue(self, mine: _Message) -> None:
+        """Under the lock, nobody leading: take the queue (``mine`` in it) as ``mine``'s
+        batch and lead it; refused messages are owed their wake-up."""
+        self._gather()
+        queued = self._queue
+        self._take(queued)  # first: an interrupted take leaves the queue as it was
+        self._queue, self._behind_bytes = [], 0
+        batch = [m for m in queued if m.state == _TAKEN]
+        mine.wake_next = [m for m in queued if m.state == _FAILED and m is not mine]
+        if batch:  # even if its own was refused: the batch is written
+            self._leading = True
+            mine.batch = batch
+            mine.state = _LEAD
+
+    def _unqueue(self, message: _Message) -> bool:
+        """Under the lock: ``message``, queued, leaves the queue unwritten. If nobody
+        leads, the turn passes on: the first waiter left in the queue is owed a wake-up
+        (to lead it), or, with nobody waiting in it, the flusher takes it (returns True:
+        wake it), or this thread leads what is left (the caller writes it:
+        :meth:`_withdraw`)."""
+        queue = self._queue
+        queue.remove(message)
+        if self._leading or not queue:
+            return False
+        waiter = next((m for m in queue if m._signal is not None), None)
+        if waiter is not None:
+            message.wake_next = [waiter]
+        elif self.flusher_wake is None:
+            self._lead_queue(message)
+        elif not self._flush_owed:
+            self._flush_owed = True
+            return True
+        return False
+
     def _withdraw(self, message: _Message, deadline: float | None) -> None:
         """A call leaves early (a timeout, an interrupt): leave the writer as if it had
-        never come. A message still queued leaves the queue; a lead it holds is carried
-        out (its batch written, the lead handed on) and the wake-ups owed are done. An
-        interruption of that clean-up is taken up where it stopped."""
+        never come. A message still queued leaves the queue (:meth:`_unqueue`); a lead
+        it holds is carried out (its batch written, the lead let go) and the wake-ups
+        owed are done. An interruption of that clean-up is taken up where it stopped."""
+        flush = False
         with self._lock:
             if message.state == _QUEUED and message in self._queue:
-                self._queue.remove(message)
-                return
+                flush = self._unqueue(message)
+        if flush:
+            self._wake_flusher()
         # An interrupted lead may still wait for the socket: not for ever.
         bound = monotonic() + CLEAN_UP_WAIT
         deadline = bound if deadline is None else min(deadline, bound)
@@ -370,10 +420,10 @@ class Writer:
                 continue
 
     def _lead(self, mine: _Message, deadline: float | None) -> None:
-        """Write ``mine.batch`` (taken already), then hand the queue, taken as the next
-        batch, to the first waiter in it (or write it too, if nobody in it waits; release
-        the lead when nothing is queued), then wake the threads that are owed it. Called
-        again after an interruption, it carries on where it stopped."""
+        """Write ``mine.batch`` (taken already), then let go of the lead (or write the
+        queue too, if nobody in it waits: :meth:`_hand_over`), then wake the threads
+        that are owed it. Called again after an interruption, it carries on where it
+        stopped."""
         while True:
             if mine.wake_next:
                 self._wake_owed(mine)
@@ -405,52 +455,43 @@ class Writer:
         raise error from exc
 
     def _hand_over(self, mine: _Message) -> None:
-        """After ``mine.written`` is written: take the queue as the next batch and give it
-        to its first waiter, or keep it (nobody in it waits), or release the lead."""
+        """After ``mine.written`` is written: let go of the lead, owing a wake-up to each
+        waiter written and to the first waiter still queued (it leads the queue next,
+        unless a newcomer does first). A queue nobody in it waits for goes to the
+        flusher, or this thread takes it as its next batch."""
         flush = False
         with self._lock:
             self._gather()
             queued = self._queue
-            if not queued:  # the common case: nobody came meanwhile
-                written, mine.written = mine.written, []
-                for message in written:
-                    message.state = _WRITTEN
+            waiter = None
+            write_too = False
+            if queued:
+                waiter = next((m for m in queued if m._signal is not None), None)
+                write_too = waiter is None and (self.flusher_wake is None or mine is self._flushing)
+                if write_too:  # first: an interrupted take leaves the queue as it was
+                    self._take(queued)
+            written, mine.written = mine.written, []
+            for message in written:
+                message.state = _WRITTEN
+            if len(written) == 1 and written[0] is mine and not queued:  # the common case
+                owed = _NONE
+            else:
+                owed = [m for m in written if m._signal is not None and m is not mine]
+                if waiter is not None:
+                    owed.append(waiter)
+            if write_too:
+                self._queue, self._behind_bytes = [], 0
+                mine.batch = [m for m in queued if m.state == _TAKEN]
+                owed += [m for m in queued if m.state == _FAILED]
+            if mine.batch:
+                mine.state = _LEAD
+            else:
                 mine.state = _WRITTEN
                 self._leading = False
-                if len(written) != 1 or written[0] is not mine:  # others to wake
-                    mine.wake_next = [m for m in written if m._signal is not None and m is not mine]
-                queued = _NONE
-            elif (
-                self.flusher_wake is not None
-                and mine is not self._flushing
-                and not any(m._signal is not None for m in queued)
-            ):
-                queued = []  # only messages nobody waits for: the flusher writes them
-                flush = not self._flush_owed
-                self._flush_owed = True
-            if queued is not _NONE:
-                self._take(queued)  # first: an interrupted take leaves the queue as it was
-                if queued:
-                    self._queue, self._behind_bytes = [], 0
-                batch = [m for m in queued if m.state == _TAKEN]
-                written, mine.written = mine.written, []
-                for message in written:
-                    message.state = _WRITTEN
-                mine.state = _WRITTEN
-                successor = next((m for m in batch if m._signal is not None), None)
-                if successor is not None:
-                    successor.batch = batch
-                    successor.state = _LEAD
-                elif batch:
-                    mine.batch = batch
-                    mine.state = _LEAD  # nobody in it waits: this thread writes it too
-                else:
-                    self._leading = False
-                owed = [successor] if successor is not None else []
-                refused = [m for m in queued if m.state == _FAILED]
-                mine.wake_next = (
-                    owed + [m for m in written if m._signal is not None and m is not mine] + refused
-                )
+                if queued and waiter is None and not write_too:  # only messages nobody
+                    flush = not self._flush_owed  # waits for: the flusher writes them
+                    self._flush_owed = True
+            mine.wake_next = owed
         if not self._leading and self._behind and not self._flush_owed:
             flush = self._flush_owed = True  # queued behind after the lead was let go
         if flush:
