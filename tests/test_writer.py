@@ -619,6 +619,52 @@ def test_a_timeout_as_it_is_woken_to_lead_passes_the_turn_on(
     assert_idle_and_working(writer, sock)
 
 
+def test_the_thread_that_let_go_of_the_lead_queues_behind_the_waiter_it_woke(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The leader's write of A ends: it wakes B to lead the queue. Its next send, made
+    before B runs, queues behind B instead of taking the lead back (a thread
+    publishing in a loop would otherwise keep the lead); B leads both."""
+    real_wait = _Message.wait
+    b_woken = threading.Event()
+    a2_queued = threading.Event()
+
+    def wait(message: _Message, timeout: float | None) -> bool:
+        if message.chunks != [b"B"] or b_woken.is_set():
+            return real_wait(message, timeout)
+        assert real_wait(message, JOIN), "B was never woken"
+        b_woken.set()
+        assert a2_queued.wait(JOIN), "the leader's second send never queued"
+        return True
+
+    monkeypatch.setattr(_Message, "wait", wait)
+    sock = FakeSocket()
+    sock.hold()
+    writer = make_writer(sock)
+    outcome: list[object] = []
+
+    def leader_twice() -> None:
+        writer.send([b"A"])
+        assert b_woken.wait(JOIN)
+        writer.send([b"a"])
+        outcome.append("ok")
+
+    leader = start(leader_twice, "leader")
+    entered(sock)
+    b, b_out = sender(writer, b"B", "B")
+    queued(writer, 1)
+    sock.release_all()
+    queued(writer, 2)  # B's message and the leader's second, nobody leading
+    assert not writer.busy
+    a2_queued.set()
+    for thread in (b, leader):
+        thread.join(JOIN)
+    assert b_out == outcome == ["ok"]
+    assert bytes(sock.data) == b"ABa"
+    assert sock.calls == ["leader", "B"]
+    assert_idle_and_working(writer, sock)
+
+
 def test_a_newcomer_leads_the_queue_while_its_woken_waiter_sleeps_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

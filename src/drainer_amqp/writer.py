@@ -13,10 +13,12 @@ A thread with a complete message (all its frames, already encoded) calls
   is done, it lets go of the lead and wakes every waiter whose message it wrote, and
   the first waiter still queued, who then leads the queue, unless a thread that came
   meanwhile, awake already, leads it first (so the socket does not wait for a
-  sleeping thread's wake-up, and threads do not queue behind one). First come, first
-  served: a call waits for at most the batch being written, then its message goes out
-  in the next batch. Nobody waits behind a stream of newcomers, and a leader writes
-  one batch, then at most the replies nobody waits for, before it returns.
+  sleeping thread's wake-up, and threads do not queue behind one); but not the thread
+  that let go, which queues until another thread has led (so threads take turns).
+  First come, first served: a call waits for at most the batch being written, then
+  its message goes out in the next batch. Nobody waits behind a stream of newcomers,
+  and a leader writes one batch, then at most the replies nobody waits for, before it
+  returns.
 * **Taken means written.** A message is *taken* when it enters a batch that is about to
   be written: its ``take`` callback runs then, under the writer's lock, in batch order
   (so a delivery tag given there is the broker's count), and may refuse the message by
@@ -174,6 +176,9 @@ class Writer:
         self._lock = threading.Lock()
         self._queue: list[_Message] = []
         self._leading = False  # a thread holds the lead: it writes, or is about to
+        # The thread that last let go of the lead to a waiter it woke; until another
+        # thread leads, it queues rather than lead again (see _hand_over).
+        self._yielded: int | None = None
         self._error: Callable[[], BaseException] | None = None  # set by fail() or a last send
         # Messages written behind, queued without the lock (see _queue_behind): appended
         # by their threads, moved to _queue, in order, under the lock (_gather) by any
@@ -249,11 +254,14 @@ class Writer:
                     raise self._error()
                 if self._behind:  # this thread's messages written behind go first
                     self._gather()
-                if self._leading:
+                if self._leading or (
+                    block and self._queue and self._yielded == threading.get_ident()
+                ):
                     if block:
                         message.will_wait()
                     self._queue.append(message)  # from here on only a leader takes it
                 else:  # lead: what waits to be written behind goes first
+                    self._yielded = None
                     queued = self._queue
                     if queued:
                         self._queue, self._behind_bytes = [], 0
@@ -374,6 +382,7 @@ class Writer:
         batch = [m for m in queued if m.state == _TAKEN]
         mine.wake_next = [m for m in queued if m.state == _FAILED and m is not mine]
         if batch:  # even if its own was refused: the batch is written
+            self._yielded = None
             self._leading = True
             mine.batch = batch
             mine.state = _LEAD
@@ -458,7 +467,13 @@ class Writer:
         """After ``mine.written`` is written: let go of the lead, owing a wake-up to each
         waiter written and to the first waiter still queued (it leads the queue next,
         unless a newcomer does first). A queue nobody in it waits for goes to the
-        flusher, or this thread takes it as its next batch."""
+        flusher, or this thread takes it as its next batch.
+
+        A thread that let go to a waiter does not lead again before another thread has:
+        its next send queues (``_yielded``). Otherwise a thread publishing in a loop,
+        awake and holding the interpreter lock, would take the lead back each time,
+        while the threads it woke wait for the interpreter: it would publish several
+        times as often as each of them, their calls taking as long."""
         flush = False
         with self._lock:
             self._gather()
@@ -488,6 +503,8 @@ class Writer:
             else:
                 mine.state = _WRITTEN
                 self._leading = False
+                if waiter is not None:
+                    self._yielded = threading.get_ident()
                 if queued and waiter is None and not write_too:  # only messages nobody
                     flush = not self._flush_owed  # waits for: the flusher writes them
                     self._flush_owed = True
