@@ -89,7 +89,7 @@ _CLEAN_UP_TRIES = 10
 #: How long the clean-up of an interrupted call may wait for the socket to write what it
 #: leads (seconds); then the connection ends.
 CLEAN_UP_WAIT = 5.0
-#: A leader whose deadline has passed (handed the lead just then) still waits this long
+#: A leader whose deadline has passed (woken to lead just then) still waits this long
 #: for ``io_lock``, which the flusher and TLS reads hold only for moments (seconds).
 _IO_LOCK_GRACE = 0.1
 #: Bytes queued to be written behind, at most (beyond, a send written behind is written
@@ -169,9 +169,9 @@ class Writer:
         self.io_lock = io_lock
         self._sock = sock
         self._on_error = on_error
-        # Guards _queue, _leading, _error and every message's state (written; _leading
-        # and _error are also read without it). Held to queue, take or remove a message
-        # and to hand the lead over; never across a write or a wait. Taken by every
+        # Guards _queue, _leading, _error, _yielded and every message's state (written;
+        # _leading and _error are also read without it). Held to queue, take or remove a
+        # message and to take or let go of the lead; never across a write or a wait. Taken by every
         # thread that sends and waits or leads; take callbacks run under it.
         self._lock = threading.Lock()
         self._queue: list[_Message] = []
