@@ -619,25 +619,34 @@ def test_a_timeout_as_it_is_woken_to_lead_passes_the_turn_on(
     assert_idle_and_working(writer, sock)
 
 
+def slow_after_its_first_wake(
+    monkeypatch: pytest.MonkeyPatch, chunk: bytes, until: threading.Event
+) -> threading.Event:
+    """The thread of the message ``chunk``, once first woken, is slow to run: it goes on
+    only once ``until`` is set. Returns an event set as it is woken."""
+    real_wait = _Message.wait
+    woken = threading.Event()
+
+    def wait(message: _Message, timeout: float | None) -> bool:
+        if message.chunks != [chunk] or woken.is_set():
+            return real_wait(message, timeout)
+        assert real_wait(message, JOIN), f"{chunk!r} was never woken"
+        woken.set()
+        assert until.wait(JOIN), f"{chunk!r}'s thread was never let go on"
+        return True
+
+    monkeypatch.setattr(_Message, "wait", wait)
+    return woken
+
+
 def test_the_thread_that_let_go_of_the_lead_queues_behind_the_waiter_it_woke(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The leader's write of A ends: it wakes B to lead the queue. Its next send, made
     before B runs, queues behind B instead of taking the lead back (a thread
     publishing in a loop would otherwise keep the lead); B leads both."""
-    real_wait = _Message.wait
-    b_woken = threading.Event()
     a2_queued = threading.Event()
-
-    def wait(message: _Message, timeout: float | None) -> bool:
-        if message.chunks != [b"B"] or b_woken.is_set():
-            return real_wait(message, timeout)
-        assert real_wait(message, JOIN), "B was never woken"
-        b_woken.set()
-        assert a2_queued.wait(JOIN), "the leader's second send never queued"
-        return True
-
-    monkeypatch.setattr(_Message, "wait", wait)
+    b_woken = slow_after_its_first_wake(monkeypatch, b"B", until=a2_queued)
     sock = FakeSocket()
     sock.hold()
     writer = make_writer(sock)
@@ -672,19 +681,8 @@ def test_a_newcomer_leads_the_queue_while_its_woken_waiter_sleeps_on(
     queue; C, who comes before B runs, leads at once, B's message and its own in one
     write; B finds its message written and returns. The socket never waits for a
     sleeping thread's wake-up."""
-    real_wait = _Message.wait
-    b_woken = threading.Event()
     c_done = threading.Event()
-
-    def wait(message: _Message, timeout: float | None) -> bool:
-        if message.chunks != [b"B"] or b_woken.is_set():
-            return real_wait(message, timeout)
-        assert real_wait(message, JOIN), "B was never woken"
-        b_woken.set()
-        assert c_done.wait(JOIN), "C never returned"  # B is slow to run
-        return True
-
-    monkeypatch.setattr(_Message, "wait", wait)
+    b_woken = slow_after_its_first_wake(monkeypatch, b"B", until=c_done)
     sock, writer, leader = busy_writer()
     b, b_out = sender(writer, b"B", "B")
     queued(writer, 1)

@@ -171,8 +171,8 @@ class Writer:
         self._on_error = on_error
         # Guards _queue, _leading, _error, _yielded and every message's state (written;
         # _leading and _error are also read without it). Held to queue, take or remove a
-        # message and to take or let go of the lead; never across a write or a wait. Taken by every
-        # thread that sends and waits or leads; take callbacks run under it.
+        # message and to take or let go of the lead; never across a write or a wait.
+        # Taken by every thread that sends and waits or leads; take callbacks run under it.
         self._lock = threading.Lock()
         self._queue: list[_Message] = []
         self._leading = False  # a thread holds the lead: it writes, or is about to
@@ -254,31 +254,14 @@ class Writer:
                     raise self._error()
                 if self._behind:  # this thread's messages written behind go first
                     self._gather()
-                if self._leading or (
-                    block and self._queue and self._yielded == threading.get_ident()
-                ):
-                    if block:
-                        message.will_wait()
-                    self._queue.append(message)  # from here on only a leader takes it
-                else:  # lead: what waits to be written behind goes first
-                    self._yielded = None
-                    queued = self._queue
-                    if queued:
-                        self._queue, self._behind_bytes = [], 0
-                        queued.append(message)
-                    else:
-                        queued = [message]
-                    self._take(queued)
-                    if len(queued) == 1:  # alone: the common case
-                        batch = queued if message.state == _TAKEN else []
-                    else:
-                        batch = [m for m in queued if m.state == _TAKEN]
-                    if len(batch) != len(queued):
-                        message.wake_next = [m for m in queued if m.state == _FAILED]
-                    if batch:  # even if its own was refused: the batch is written
-                        self._leading = True
-                        message.batch = batch
-                        message.state = _LEAD
+                lead = not self._leading and (
+                    not block or not self._queue or self._yielded != threading.get_ident()
+                )
+                if block and not lead:
+                    message.will_wait()
+                self._queue.append(message)  # from here on only a leader takes it
+                if lead:  # with what waits before it (written behind, replies, waiters)
+                    self._lead_queue(message)
                 if last is not None and message.error is None:
                     self._error = last
             if message.state == _LEAD:
@@ -375,12 +358,17 @@ class Writer:
     def _lead_queue(self, mine: _Message) -> None:
         """Under the lock, nobody leading: take the queue (``mine`` in it) as ``mine``'s
         batch and lead it; refused messages are owed their wake-up."""
-        self._gather()
+        if self._behind:
+            self._gather()
         queued = self._queue
         self._take(queued)  # first: an interrupted take leaves the queue as it was
         self._queue, self._behind_bytes = [], 0
-        batch = [m for m in queued if m.state == _TAKEN]
-        mine.wake_next = [m for m in queued if m.state == _FAILED and m is not mine]
+        if len(queued) == 1 and queued[0].state == _TAKEN:  # the common case
+            batch = queued
+        else:
+            batch = [m for m in queued if m.state == _TAKEN]
+            if len(batch) != len(queued):
+                mine.wake_next = [m for m in queued if m.state == _FAILED and m is not mine]
         if batch:  # even if its own was refused: the batch is written
             self._yielded = None
             self._leading = True
