@@ -468,11 +468,13 @@ class Writer:
             queued = self._queue
             waiter = None
             write_too = False
+            refused: list[_Message] = _NONE
             if queued:
                 waiter = next((m for m in queued if m._signal is not None), None)
                 write_too = waiter is None and (self.flusher_wake is None or mine is self._flushing)
                 if write_too:  # first: an interrupted take leaves the queue as it was
-                    self._take(queued)
+                    self._lead_queue(mine)  # nobody in it waits: this thread writes it too
+                    refused, mine.wake_next = mine.wake_next, _NONE
             written, mine.written = mine.written, []
             for message in written:
                 message.state = _WRITTEN
@@ -482,10 +484,7 @@ class Writer:
                 owed = [m for m in written if m._signal is not None and m is not mine]
                 if waiter is not None:
                     owed.append(waiter)
-            if write_too:
-                self._queue, self._behind_bytes = [], 0
-                mine.batch = [m for m in queued if m.state == _TAKEN]
-                owed += [m for m in queued if m.state == _FAILED]
+                owed += refused
             if mine.batch:
                 mine.state = _LEAD
             else:
