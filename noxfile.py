@@ -38,6 +38,7 @@ VERSIONED = [
     "tests/test_reconnect.py",
     "tests/test_tls.py",
     "tests/test_celery.py",
+    "tests/test_event_loop.py",
     "tests/test_dramatiq.py",
 ]
 

@@ -114,6 +114,8 @@ class Connection(amqp.Connection):
             Drainer(self, inbox_limit) if dedicated_drainer else LegacyReader(self)
         )
         self.inbox = Inbox(self.reader.inbox_limit, self.reader.wake, self.reader.resume_reading)
+        # An event loop's thread reads the socket (see watch_in_event_loop); set by it.
+        self.loop_reads = False
         self.writer: Writer | None = None
         # Encodes Basic.Publish as py-amqp's frame writer would, faster; None while not
         # connected or when the caller gave a frame_writer of its own.
@@ -482,11 +484,11 @@ class Connection(amqp.Connection):
         return self.inbox.full
 
     def consumer_behind(self) -> bool:
-        """The consumer has callbacks queued, and nobody waits for anything else the
-        socket may hold (a reply, a confirm, the close): the drainer may leave it unread
-        (``Drainer._defer_reading``)."""
+        """The consumer has callbacks queued, or an event loop reads the socket, and
+        nobody waits for anything else the socket may hold (a reply, a confirm, the
+        close): the drainer may leave it unread (``Drainer._defer_reading``)."""
         return bool(
-            len(self.inbox)
+            (self.loop_reads or len(self.inbox))
             and not len(self.waiters)
             and not self.unconfirmed.used
             and not self.is_closing
@@ -494,13 +496,14 @@ class Connection(amqp.Connection):
         )
 
     def watch_inbox_empty(self, watch: bool) -> None:
-        """Whether the inbox calls ``reader.resume_reading`` when it empties."""
-        self.inbox.wake_when_empty = watch
+        """Whether the inbox calls ``reader.resume_reading`` when it empties (not while
+        an event loop reads the socket: its inbox empties after each read)."""
+        self.inbox.wake_when_empty = watch and not self.loop_reads
 
     def reading_needed(self) -> None:
         """Something ``consumer_behind`` counts has begun (a waiter, a deferred confirm,
         the close): the drainer reads the socket again if it was leaving it unread."""
-        if self.inbox.wake_when_empty:  # else the drainer is not leaving it unread
+        if self.inbox.wake_when_empty or self.loop_reads:  # else it is not leaving it
             self.reader.resume_reading()
 
     def drainer_exited(self, error: BaseException | None) -> None:
@@ -567,6 +570,34 @@ class Connection(amqp.Connection):
         watch instead of the socket, which belongs to the drainer. After it fires,
         call :meth:`run_pending_callbacks`."""
         return self.inbox.signal().fileno()
+
+    def watch_in_event_loop(self, watch: bool) -> int | None:
+        """An event loop (kombu's Hub) starts (``watch``) or stops watching this
+        connection. Drainer mode, not TLS: the socket's descriptor for the loop to watch
+        beside :meth:`inbox_fileno`, calling :meth:`read_in_event_loop` when it is
+        readable. The loop's thread reads the socket then, as stock py-amqp's loop does,
+        and the drainer thread only while another thread waits for a reply, a confirm
+        or the close (or for a moment every ``DEFER_FOR`` seconds); else None."""
+        drainer, sock = self.reader, getattr(self._transport, "sock", None)
+        if not watch and self.loop_reads:
+            self.loop_reads = False
+            drainer.resume_reading()
+        if not isinstance(drainer, Drainer) or not drainer.may_lend_to_loop() or sock is None:
+            return None
+        if watch and not self.loop_reads:
+            self.loop_reads = True
+            drainer.wake()  # its next turn leaves the socket to the loop
+        return sock.fileno()
+
+    def read_in_event_loop(self) -> bool:
+        """Read what the socket holds in this thread, an event loop's (see
+        :meth:`watch_in_event_loop`), then run the queued callbacks. False when the
+        read failed: the drainer thread ends the connection with its error, and the loop
+        stops watching the socket (:meth:`inbox_fileno` tells it the end)."""
+        if not isinstance(self.reader, Drainer) or not self.reader.read_for_loop():
+            return False
+        self.run_pending_callbacks()
+        return True
 
     def run_pending_callbacks(self) -> int:
         """Run every queued callback in this thread without waiting; return how many.

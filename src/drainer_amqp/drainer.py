@@ -30,6 +30,13 @@
   one batch once the consumer has caught up (the inbox empties) or a thread starts to
   wait, so a consumer that acks each delivery costs one hand-over per batch, not one
   per delivery.
+* **An event loop's thread reads for itself.** While an event loop (kombu's Hub, the
+  Celery worker's) watches the socket and no thread waits for anything else, the thread
+  leaves the socket unread in the same way, and the loop's thread reads it
+  (:meth:`Drainer.read_for_loop`) and runs the deliveries, as stock py-amqp's loop
+  does: no hand-over at all. The loop's thread is often the main thread, which a
+  ``KeyboardInterrupt`` between a read and its dispatch would desynchronise, as it
+  would stock's; Celery's signal handlers only set flags.
 """
 
 from __future__ import annotations
@@ -94,6 +101,7 @@ class DrainerStats:
     heartbeats_sent: int = 0
     heartbeats_received: int = 0
     dispatches: int = 0
+    loop_reads: int = 0  # of reads, those an event loop's thread made (read_for_loop)
 
 
 class Drainer:
@@ -261,6 +269,35 @@ class Drainer:
                         self._register()
             finally:
                 self._reading.release()
+
+    def may_lend_to_loop(self) -> bool:
+        """Whether an event loop's thread may read the socket (:meth:`read_for_loop`):
+        started, and not TLS."""
+        return self.thread is not None and not self._tls
+
+    def read_for_loop(self) -> bool:
+        """An event loop's thread (kombu's Hub) saw the socket readable: read what is
+        there and dispatch it in that thread, as stock py-amqp's loop does, unless the
+        thread or a borrower reads now (they take what is there). False when the read
+        failed: the thread reports it, as its own, and ends the connection; the loop
+        should stop watching the socket, which may stay readable until then."""
+        if not self.may_lend_to_loop() or not self._reading.acquire(blocking=False):
+            return True
+        self._borrows += 1
+        try:
+            if self._stopping:
+                return True
+            if self._read():
+                self._last_recv = monotonic()
+                self._counts.loop_reads += 1
+            return True
+        except Exception as exc:  # noqa: BLE001 - the thread reports it, as its own
+            if not self._stopping:
+                self._borrow_error = exc
+                self.wake()
+            return False
+        finally:
+            self._reading.release()
 
     def _register(self) -> None:
         """Under ``_watch_lock``: watch the socket for what the thread wants, less reading

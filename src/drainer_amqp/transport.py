@@ -14,8 +14,11 @@ connection than kombu's current one leaves that live one alone (kombu forgets it
 thread's next reconnect takes it up again). Either, while kombu handles a recoverable
 error of the connection itself, ends it as failed, so the other threads on it retry.
 
-kombu's Hub (the Celery worker's loop): in drainer mode the socket is the drainer's, so
-the Hub watches :meth:`Connection.inbox_fileno` and runs queued callbacks in its thread.
+kombu's Hub (the Celery worker's loop), in drainer mode: the Hub watches
+:meth:`Connection.inbox_fileno` and runs queued callbacks in its thread; it also watches
+the socket and reads it in its thread, as stock's Hub does, while no other thread waits
+on the connection (:meth:`Connection.watch_in_event_loop`; kombu 5.7+): one thread
+reads and runs the deliveries, without a hand-over between two.
 The threading contract: docs/threading.md.
 """
 
@@ -26,6 +29,7 @@ import threading
 import weakref
 from typing import Any
 
+import kombu
 from amqp.exceptions import RecoverableConnectionError
 from kombu.transport import TRANSPORT_ALIASES, pyamqp
 
@@ -39,6 +43,12 @@ from .errors import (
 )
 
 __all__ = ["SSLTransport", "Transport"]
+
+#: kombu's Hub wakes when another thread schedules a callback on it (kombu 5.7+): only
+#: then does its thread read the socket itself. Before, Celery's threads pool, which acks
+#: that way, waits for the Hub's next wake-up, and a Hub that read a whole prefetch
+#: window at once has nothing to wake it but its poll's timeout (up to 10 s).
+_HUB_WAKES = tuple(kombu.VERSION[:2]) >= (5, 7)
 
 _live_lock = threading.Lock()  # guards _live and _reconnect_locks
 #: Each kombu.Connection's live connection, and the lock its reconnects take in turn.
@@ -114,16 +124,25 @@ class Transport(pyamqp.Transport):
         if not connection.reader.owns_socket:
             return super().register_with_event_loop(connection, loop)
         loop.add_reader(connection.inbox_fileno(), self.on_readable, connection, loop)
+        fd = connection.watch_in_event_loop(True) if _HUB_WAKES else None
+        if fd is not None:
+            loop.add_reader(fd, self._on_socket_readable, connection, loop, fd)
 
     def unregister_from_event_loop(self, connection: DrainerConnection, loop: Any) -> None:
         if connection.reader.owns_socket and connection.inbox.watched:
             loop.remove_reader(connection.inbox_fileno())
+            if connection.loop_reads and (fd := connection.watch_in_event_loop(False)):
+                loop.remove_reader(fd)
         return super().unregister_from_event_loop(connection, loop)
 
     def on_readable(self, connection: DrainerConnection, loop: Any) -> None:
         if not connection.reader.owns_socket:
             return super().on_readable(connection, loop)
         connection.run_pending_callbacks()
+
+    def _on_socket_readable(self, connection: DrainerConnection, loop: Any, fd: int) -> None:
+        if not connection.read_in_event_loop():
+            loop.remove_reader(fd)
 
 
 class SSLTransport(Transport, pyamqp.SSLTransport):
