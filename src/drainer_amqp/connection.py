@@ -567,8 +567,8 @@ class Connection(amqp.Connection):
     def inbox_fileno(self) -> int:
         """A descriptor that turns readable when callbacks are queued for
         ``drain_events()`` or the connection ends, for an event loop (kombu's Hub) to
-        watch instead of the socket, which belongs to the drainer. After it fires,
-        call :meth:`run_pending_callbacks`."""
+        watch, beside the socket where :meth:`watch_in_event_loop` allows. After it
+        fires, call :meth:`run_pending_callbacks`."""
         return self.inbox.signal().fileno()
 
     def watch_in_event_loop(self, watch: bool) -> int | None:
