@@ -1,5 +1,6 @@
 """PublishEncoder writes exactly the bytes py-amqp's frame writer writes for a
-Basic.Publish, raises where it raises, and the fast path round-trips through the broker."""
+Basic.Publish, raises where it raises, and the fast path round-trips through the broker;
+a settlement is encoded, and a delivery's arguments decoded, as py-amqp does."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import amqp
 import pytest
 from amqp import spec
 from amqp.method_framing import frame_writer
-from amqp.serialization import dumps
+from amqp.serialization import dumps, loads
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from support.broker import unique_name, wait_until
 
-from drainer_amqp.channel import _settlement_frame
+from drainer_amqp.channel import _deliver_args, _settlement_frame
 from drainer_amqp.encoding import CACHE_SIZE, PublishEncoder
 
 MODES = ["legacy", "drainer"]
@@ -298,3 +299,29 @@ def test_a_settlement_frame_is_what_py_amqp_writes(
     payload = struct.pack(">HH", *sig) + dumps(argsig, args)
     expected = struct.pack(">BHI", 1, 3, len(payload)) + payload + b"\xce"
     assert _settlement_frame(3, sig, args) == expected
+
+
+_SHORT_STRINGS = st.text(max_size=80).filter(lambda s: len(s.encode()) <= 255)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(_SHORT_STRINGS, st.integers(0, 2**64 - 1), st.booleans(), _SHORT_STRINGS, _SHORT_STRINGS)
+def test_a_deliveries_arguments_are_decoded_as_py_amqp_decodes_them(
+    consumer_tag: str, delivery_tag: int, redelivered: bool, exchange: str, routing_key: str
+) -> None:
+    args = (consumer_tag, delivery_tag, redelivered, exchange, routing_key)
+    payload = struct.pack(">HH", *spec.Basic.Deliver) + dumps("sLbss", args)
+    assert _deliver_args(payload) == tuple(loads("sLbss", payload, 4)[0]) == args
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.binary(max_size=60))
+def test_a_delivery_of_another_length_than_its_strings_say_is_left_to_py_amqp(
+    payload: bytes,
+) -> None:
+    """Whatever the bytes: no error, and either py-amqp's own reading of them or None
+    (then py-amqp decodes it, or raises, itself)."""
+    args = _deliver_args(payload)
+    if args is not None:
+        assert args == tuple(loads("sLbss", payload, 4)[0])
+        assert len(payload) == len(dumps("sLbss", args)) + 4

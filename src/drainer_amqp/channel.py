@@ -147,6 +147,46 @@ class _Refused(Exception):  # noqa: N818 - internal: carries the channel's close
 
 #: py-amqp's dispatch, which runs a method's callbacks: what the inbox runs for a channel.
 _dispatch_now = pyamqp.Channel.dispatch_method
+_DELIVER = spec.Basic.Deliver
+_TAG_AND_BIT = Struct(">QB")
+
+
+def _deliver_args(payload: bytes) -> tuple[str, int, bool, str, str] | None:
+    """A ``Basic.Deliver``'s arguments (``sLbss``), as py-amqp's ``loads`` decodes them;
+    None if the payload's length is not what its strings say."""
+    size = len(payload)
+    tag_at = 5 + payload[4] if size > 4 else size
+    exchange_at = tag_at + 10
+    key_at = exchange_at + payload[exchange_at - 1] if size >= exchange_at else size
+    if key_at >= size or size != key_at + 1 + payload[key_at]:
+        return None
+    delivery_tag, bits = _TAG_AND_BIT.unpack_from(payload, tag_at)
+    return (
+        payload[5:tag_at].decode("utf-8", "surrogatepass"),
+        delivery_tag,
+        (bits & 1) == 1,
+        payload[exchange_at:key_at].decode("utf-8", "surrogatepass"),
+        payload[key_at + 1 :].decode("utf-8", "surrogatepass"),
+    )
+
+
+def _deliver_now(channel: Any, method_sig: Any, payload: bytes, content: Any) -> Any:
+    """What the inbox runs for a ``Basic.Deliver``: py-amqp's ``dispatch_method``, its
+    steps for a delivery, with the arguments decoded by :func:`_deliver_args` rather
+    than by py-amqp's generic ``loads`` (a third of the cost). A closing channel, a
+    one-shot wait for a delivery, or a malformed payload: py-amqp's own."""
+    args = _deliver_args(payload)
+    if args is None or channel.is_closing or _DELIVER in channel._pending:
+        return _dispatch_now(channel, method_sig, payload, content)
+    listener = channel._callbacks.get(_DELIVER)
+    if listener is None:
+        return None
+    if content and channel.auto_decode and hasattr(content, "content_encoding"):
+        try:
+            content.body = content.body.decode(content.content_encoding)
+        except Exception:  # noqa: BLE001, S110 - as py-amqp's: the body stays as it came
+            pass
+    return listener(*args, content)
 
 
 class ChannelConnection(Protocol):
@@ -465,7 +505,8 @@ class Channel(pyamqp.Channel):
         key = self._inbox_key  # one tuple fewer per delivery: see Inbox
         if key[1] != consumer or key[0] != self.channel_id:
             key = self._inbox_key = (self.channel_id, consumer)
-        conn.inbox.post(key, _dispatch_now, self, method_sig, payload, content)
+        run = _deliver_now if method_sig == _DELIVER else _dispatch_now
+        conn.inbox.post(key, run, self, method_sig, payload, content)
         if waiter is not None:
             waiter(method_sig, first_short_string(payload))
 

@@ -7,7 +7,7 @@ is complete so far and keeps the rest. Not thread-safe: the drainer thread owns 
 
 from __future__ import annotations
 
-from struct import unpack_from
+from struct import Struct, unpack_from
 
 from .errors import MalformedFrame
 
@@ -15,10 +15,12 @@ __all__ = ["FRAME_END", "Frame", "FrameAssembler", "check_header"]
 
 FRAME_END = 0xCE
 HEADER_SIZE = 7
+_OVERHEAD = HEADER_SIZE + 1  # the header and the frame-end byte
 #: method, content header, content body, heartbeat
 FRAME_TYPES = frozenset((1, 2, 3, 8))
 
 Frame = tuple[int, int, bytes]
+_HEADER = Struct(">BHI")
 
 
 def check_header(
@@ -33,10 +35,8 @@ def check_header(
     frame_type, channel, size = unpack_from(">BHI", header, offset)
     if frame_type not in FRAME_TYPES:
         raise MalformedFrame(f"unknown frame type {frame_type}")
-    if frame_max and size + HEADER_SIZE + 1 > frame_max:
-        raise MalformedFrame(
-            f"frame of {size + HEADER_SIZE + 1} bytes exceeds frame_max {frame_max}"
-        )
+    if frame_max and size + _OVERHEAD > frame_max:
+        raise MalformedFrame(f"frame of {size + _OVERHEAD} bytes exceeds frame_max {frame_max}")
     return frame_type, channel, size
 
 
@@ -59,9 +59,12 @@ class FrameAssembler:
         buf += data
         frames: list[Frame] = []
         pos = 0
+        frame_max, unpack_header = self.frame_max, _HEADER.unpack_from
         try:
             while len(buf) - pos >= HEADER_SIZE:
-                frame_type, channel, size = check_header(buf, self.frame_max, pos)
+                frame_type, channel, size = unpack_header(buf, pos)
+                if frame_type not in FRAME_TYPES or (frame_max and size + _OVERHEAD > frame_max):
+                    check_header(buf, frame_max, pos)  # raises, saying why
                 end = pos + HEADER_SIZE + size
                 if len(buf) <= end:
                     break
