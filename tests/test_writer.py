@@ -731,6 +731,32 @@ def test_an_interrupt_between_a_leaders_write_and_its_hand_over_hands_over(
     assert_idle_and_working(writer, sock)
 
 
+def test_an_interrupt_as_a_lone_leader_lets_go_after_its_write_lets_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nobody else writes or waits: a signal lands in the leader just after its
+    ``sendall``, as it takes the lock to let go of the lead. The clean-up lets go (the
+    message written once) and then raises; the next send is written at once."""
+    real_gather = Writer._gather
+    interrupted: list[str] = []
+
+    def gather(self: Writer) -> None:
+        if not interrupted and threading.current_thread().name == "leader":
+            interrupted.append("once")
+            raise KeyboardInterrupt
+        real_gather(self)
+
+    monkeypatch.setattr(Writer, "_gather", gather)
+    sock = FakeSocket()
+    writer = make_writer(sock)
+    leader, leader_out = sender(writer, b"A", "leader")
+    leader.join(JOIN)
+    assert interrupted == ["once"]
+    assert isinstance(leader_out[0], KeyboardInterrupt), leader_out
+    assert bytes(sock.data) == b"A", "written twice, or not at all"
+    assert_idle_and_working(writer, sock)
+
+
 class ReaderHeldLock:
     """A writer's ``io_lock`` as in legacy mode, where a reader holds it while it reads:
     ``hold()`` takes it in a thread of its own until ``let_go()``. ``first_wait[name]``
