@@ -430,14 +430,7 @@ class Writer:
             if mine.state != _LEAD:
                 return
             if mine.batch:
-                payload = self._joined(mine.batch)  # before the socket is taken
-                self._take_socket(mine, deadline)  # interrupted: nothing written, still ours
-                try:
-                    self._write(payload, deadline)
-                except BaseException as exc:
-                    self._failed(mine, exc)
-                    raise
-                mine.written, mine.batch = mine.batch, []
+                self._write_batch(mine, self._joined(mine.batch), deadline)
             self._hand_over(mine)
 
     def _lead_alone(self, mine: _Message, deadline: float | None) -> None:
@@ -445,14 +438,7 @@ class Writer:
         in fewer calls, and, if nobody came meanwhile, :meth:`_hand_over`'s common case;
         otherwise (and to carry on after an interruption) :meth:`_lead` takes over."""
         chunks = mine.chunks
-        payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self._take_socket(mine, deadline)
-        try:
-            self._write(payload, deadline)
-        except BaseException as exc:
-            self._failed(mine, exc)
-            raise
-        mine.written, mine.batch = mine.batch, []
+        self._write_batch(mine, chunks[0] if len(chunks) == 1 else b"".join(chunks), deadline)
         with self._lock:
             self._gather()
             if not self._queue:
@@ -464,6 +450,19 @@ class Writer:
         elif self._behind and not self._leading and not self._flush_owed:
             self._flush_owed = True  # queued behind after the lead was let go
             self._wake_flusher()
+
+    def _write_batch(
+        self, mine: _Message, payload: bytes | memoryview, deadline: float | None
+    ) -> None:
+        """Write ``payload`` (``mine.batch``, joined before the socket is taken) and
+        record the batch written."""
+        self._take_socket(mine, deadline)  # interrupted: nothing written, still ours
+        try:
+            self._write(payload, deadline)
+        except BaseException as exc:
+            self._failed(mine, exc)
+            raise
+        mine.written, mine.batch = mine.batch, []
 
     def _take_socket(self, mine: _Message, deadline: float | None) -> None:
         """Take ``io_lock`` for the write of ``mine.batch`` (in legacy mode a reader may
