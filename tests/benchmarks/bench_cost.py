@@ -13,9 +13,10 @@ amqpstorm: a thread in ``start_consuming()``).
 Per message, over the publishing window (noise on a shared machine hides a cost less
 than a rate): CPU time of the process (user + system, ``getrusage``), split into the
 publishing threads (``time.thread_time`` in each), the consumer thread (its CPU clock),
-and the rest (the library's
-own threads: the drainer, amqpstorm's IO thread); voluntary and involuntary context
-switches (``getrusage``, every thread of the process); the longest single call. Hard
+and the rest (the library's own threads: the drainer, amqpstorm's IO thread); voluntary
+and involuntary context switches (``getrusage``, every thread of the process); system
+calls, all and the publishers' (``perf stat``, counted in the kernel: see
+:mod:`benchmarks.syscalls`; not measured without perf); the longest single call. Hard
 check only: every publisher thread ends.
 
 Run: ``pytest tests/benchmarks/bench_cost.py -m benchmark -s``.
@@ -37,6 +38,7 @@ from support.broker import unique_name
 from benchmarks import QUICK
 from benchmarks.clients import _host_port, kombu_connection
 from benchmarks.report import Collector, Section
+from benchmarks.syscalls import SyscallCount
 
 pytestmark = pytest.mark.benchmark
 
@@ -62,6 +64,8 @@ class Cost:
     voluntary: float
     involuntary: float
     longest_ms: float
+    syscalls: float | None  # per message, every thread (None: not measured)
+    publisher_syscalls: float | None  # per message, the publishing threads'
 
 
 class _Setup:
@@ -144,6 +148,7 @@ class _Setup:
 
 def run(client: str, threads: int, consumer: bool) -> Cost:
     setup = _Setup(client, threads, consumer, unique_name("drainer-bench-cost"))
+    syscalls = SyscallCount()
     stop = threading.Event()
     consumer_cpu: list[float] = []
     consumer_thread = None
@@ -186,6 +191,8 @@ def run(client: str, threads: int, consumer: bool) -> Cost:
         workers = [threading.Thread(target=publisher, args=(i,)) for i in range(threads)]
         for worker in workers:
             worker.start()
+        syscalls.attach()  # every thread of the window exists now
+        syscalls.start()
         go.wait(JOIN)
         usage0 = resource.getrusage(resource.RUSAGE_SELF)
         consumer_before = _thread_cpu(consumer_thread)
@@ -196,12 +203,16 @@ def run(client: str, threads: int, consumer: bool) -> Cost:
         took = time.perf_counter() - start
         usage1 = resource.getrusage(resource.RUSAGE_SELF)
         consumer_spent = _thread_cpu(consumer_thread) - consumer_before
+        syscalls.stop()
     finally:
         stop.set()
         if consumer_thread is not None:
             consumer_thread.join(JOIN)
         setup.close()
+        syscalls.close()
     n = sum(done)
+    counts = syscalls.counts
+    publishers_ids = {worker.native_id for worker in workers}
     total = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
     publishers = sum(cpu)
     return Cost(
@@ -214,7 +225,17 @@ def run(client: str, threads: int, consumer: bool) -> Cost:
         voluntary=(usage1.ru_nvcsw - usage0.ru_nvcsw) / n,
         involuntary=(usage1.ru_nivcsw - usage0.ru_nivcsw) / n,
         longest_ms=1e3 * max(longest),
+        syscalls=None if counts is None else sum(counts.values()) / n,
+        publisher_syscalls=None
+        if counts is None
+        else sum(c for tid, c in counts.items() if tid in publishers_ids) / n,
     )
+
+
+def _syscalls(cost: Cost) -> str:
+    if cost.syscalls is None or cost.publisher_syscalls is None:
+        return "no perf"
+    return f"{cost.syscalls:.2f} / {cost.publisher_syscalls:.2f}"
 
 
 def _thread_cpu(thread: threading.Thread | None) -> float:
@@ -247,6 +268,7 @@ def test_cost_per_message(bench_report: Collector) -> None:
                 f"{cost.library_us:.1f}",
                 f"{cost.consumer_us:.1f}" if idle else "",
                 f"{cost.voluntary:.2f} / {cost.involuntary:.2f}",
+                _syscalls(cost),
                 f"{cost.longest_ms:.1f}",
             ]
         )
@@ -264,6 +286,7 @@ def test_cost_per_message(bench_report: Collector) -> None:
                 "library threads",
                 "consumer",
                 "ctx switches/msg (vol / invol)",
+                "syscalls/msg (all / publishers)",
                 "longest call ms",
             ],
             rows=rows,
@@ -274,9 +297,11 @@ def test_cost_per_message(bench_report: Collector) -> None:
                 "CPU: the publishing process's user + system time over the window, per "
                 "message; publishers: their threads' own CPU; library threads: the rest "
                 "(the drainer, amqpstorm's IO thread); consumer: the idle consumer thread.",
-                "Context switches: getrusage (every thread of the process). System calls "
-                "per message are not measured here: /proc/self/io does not count socket "
-                "calls, and strace would cost more than what it counts.",
+                "Context switches: getrusage (every thread of the process). System calls: "
+                "perf stat's raw_syscalls:sys_enter tracepoint, counted in the kernel per "
+                "thread over the window (every thread of the process, the benchmark's "
+                "waiting main thread included; publishers: their threads'); 'no perf' "
+                "where perf or its permission is missing.",
             ],
             raw={key: vars(cost) for key, cost in results.items()},
             seconds=time.perf_counter() - began,
