@@ -26,6 +26,8 @@ __all__ = ["SyscallCount"]
 
 #: Seconds perf may take to start, to acknowledge a command, or to write its counts.
 PERF_TIMEOUT = 10.0
+#: Set once perf failed to count: later windows do not try again (nor wait for it).
+_failed = False
 
 
 class SyscallCount:
@@ -41,7 +43,7 @@ class SyscallCount:
 
     def attach(self) -> None:
         perf = shutil.which("perf")
-        if perf is None:
+        if perf is None or _failed:
             return
         ctl, ack = self._dir / "ctl", self._dir / "ack"
         os.mkfifo(ctl)
@@ -82,16 +84,19 @@ class SyscallCount:
 
     def _command(self, command: str) -> bool:
         """Send perf ``command``; whether it acknowledged it in time (False: perf is not
-        there, or ended: no count)."""
-        if self._perf is None:
+        there, or ended: no count, now or in any later window)."""
+        global _failed
+        if self._perf is None or _failed:
             return False
         os.write(self._ctl, f"{command}\n".encode())
         reply = b""
         deadline = time.monotonic() + PERF_TIMEOUT
         while b"\n" not in reply:
             if self._perf.poll() is not None or time.monotonic() > deadline:
+                _failed = True
                 return False
             readable, _, _ = select.select([self._ack], [], [], 0.1)  # then look at perf
             if readable:
                 reply += os.read(self._ack, 64)
-        return reply.strip(b"\x00 \n") == b"ack"  # perf writes "ack\n\0"
+        _failed = reply.strip(b"\x00 \n") != b"ack"  # perf writes "ack\n\0"
+        return not _failed
