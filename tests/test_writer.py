@@ -15,7 +15,8 @@ from functools import partial
 
 import pytest
 
-from drainer_amqp.writer import Writer, _Message
+from drainer_amqp import writer as writer_module
+from drainer_amqp.writer import _WRITTEN, Writer, _Message
 
 JOIN = 30.0
 
@@ -754,6 +755,123 @@ def test_an_interrupt_as_a_lone_leader_lets_go_after_its_write_lets_go(
     assert interrupted == ["once"]
     assert isinstance(leader_out[0], KeyboardInterrupt), leader_out
     assert bytes(sock.data) == b"A", "written twice, or not at all"
+    assert_idle_and_working(writer, sock)
+
+
+def test_the_first_waiter_of_a_batch_wakes_the_others_even_if_it_saw_its_state_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A leader wakes only the first waiter whose message it wrote and leaves it the
+    others to wake. Here that waiter (Y), awake already, sees its message written while
+    the leader (X) is still handing over, before it was given the others: it must wait
+    for the hand-over and wake them (Z), not return and leave Z asleep for ever."""
+    y_came = threading.Event()  # Y is done, or waits for the writer's lock
+
+    class WatchedLock:
+        """The writer's lock; notes when Y comes to take it."""
+
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            if threading.current_thread().name == "Y" and hooked:
+                y_came.set()
+            self._lock.acquire()
+
+        def __exit__(self, *exc_info: object) -> None:
+            self._lock.release()
+
+    hooked: list[str] = []
+    slot = _Message.__dict__["state"]  # the slot's own descriptor
+
+    class HookedMessage(_Message):
+        """Y's message: as X's hand-over marks it written, Y is woken (as by an earlier
+        wake-up it had not used yet) and X waits until Y is done or waits for the lock."""
+
+        __slots__ = ()
+
+        @property  # type: ignore[override]
+        def state(self) -> int:
+            return slot.__get__(self, _Message)  # type: ignore[no-any-return]
+
+        @state.setter
+        def state(self, value: int) -> None:
+            slot.__set__(self, value)
+            name = threading.current_thread().name
+            if value == _WRITTEN and self.chunks == [b"Y"] and name == "X" and not hooked:
+                hooked.append("once")
+                assert self._signal is not None
+                self._signal.release()
+                assert y_came.wait(JOIN), "Y neither returned nor waited for the lock"
+
+    monkeypatch.setattr(writer_module, "_Message", HookedMessage)
+    sock = FakeSocket()
+    sock.hold()
+    writer = make_writer(sock)
+    writer._lock = WatchedLock()  # type: ignore[assignment]  # noqa: SLF001
+    leader, leader_out = sender(writer, b"A", "leader")
+    entered(sock)
+    senders = []
+    for n, name in enumerate(("X", "Y", "Z"), 1):  # X first: the leader wakes X to lead
+        senders.append(sender(writer, name.encode(), name))
+        queued(writer, n)
+    y_thread, y_out = senders[1]
+
+    def y_done() -> None:
+        y_thread.join(JOIN)
+        y_came.set()
+
+    start(y_done, "watch-Y")
+    sock.release_all()
+    for thread, _ in [(leader, leader_out), *senders]:
+        thread.join(JOIN)
+    assert hooked == ["once"]
+    assert [out for _, out in [(leader, leader_out), *senders]] == [["ok"]] * 4
+    assert bytes(sock.data) == b"AXYZ"
+    assert_idle_and_working(writer, sock)
+
+
+def test_a_waiter_that_gave_up_on_its_batch_is_not_left_to_wake_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Y times out while X writes the batch that holds Y's message and Z's: Y's call
+    raises (it may have been written) and its thread leaves, so X wakes Z itself."""
+    give_up = threading.Event()
+
+    class GivingUpMessage(_Message):
+        """Y's message: its wait times out once X writes its batch."""
+
+        __slots__ = ()
+
+        def wait(self, timeout: float | None) -> bool:
+            if self.chunks == [b"Y"]:
+                assert give_up.wait(JOIN)
+                return False
+            return super().wait(timeout)
+
+    monkeypatch.setattr(writer_module, "_Message", GivingUpMessage)
+    sock = FakeSocket()
+    sock.hold()
+    writer = make_writer(sock)
+    leader, leader_out = sender(writer, b"A", "leader")
+    entered(sock)
+    senders = []
+    for n, name in enumerate(("X", "Y", "Z"), 1):  # X first: the leader wakes X to lead
+        kwargs = {"timeout": JOIN} if name == "Y" else {}
+        senders.append(sender(writer, name.encode(), name, **kwargs))
+        queued(writer, n)
+    sock.permit()  # A is written; X leads X, Y and Z, and waits in sendall
+    entered(sock)
+    give_up.set()
+    y_thread, y_out = senders[1]
+    y_thread.join(JOIN)
+    assert isinstance(y_out[0], TimeoutError) and "may have been" in str(y_out[0])
+    sock.release_all()
+    for thread, _ in [(leader, leader_out), *senders]:
+        thread.join(JOIN)
+    outcomes = [out for _, out in [(leader, leader_out), *senders]]
+    assert outcomes[:2] == [["ok"], ["ok"]] and outcomes[3] == ["ok"], outcomes
+    assert bytes(sock.data) == b"AXYZ"
     assert_idle_and_working(writer, sock)
 
 

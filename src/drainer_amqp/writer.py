@@ -10,11 +10,14 @@ A thread with a complete message (all its frames, already encoded) calls
 * **One writer at a time, in turns.** If nobody is writing, the caller becomes the
   *leader*: it takes the whole queue, and its own message, as one batch and writes it
   as one ``sendall``. Otherwise it joins the queue and sleeps. When a leader's write
-  is done, it lets go of the lead and wakes every waiter whose message it wrote, and
-  the first waiter still queued, who then leads the queue, unless a thread that came
-  meanwhile, awake already, leads it first (so the socket does not wait for a
-  sleeping thread's wake-up, and threads do not queue behind one); but not the thread
-  that let go, which queues until another thread has led (so threads take turns).
+  is done, it lets go of the lead and wakes the first waiter whose message it wrote
+  (which wakes the others of the batch: one wake-up for the leader, and the woken
+  threads do not all wait for the interpreter lock at once; a waiter that gave up
+  on its batch is left none), and the first waiter still queued, who then leads the
+  queue, unless a thread that came meanwhile, awake already, leads it first (so the
+  socket does not wait for a sleeping thread's wake-up, and threads do not queue
+  behind one); but not the thread that let go, which queues until another thread has
+  led (so threads take turns).
   First come, first served: a call waits for at most the batch being written, then
   its message goes out in the next batch. Nobody waits behind a stream of newcomers,
   and a leader writes one batch, then at most the replies nobody waits for, before it
@@ -352,6 +355,11 @@ class Writer:
                         self._lead_queue(message)
             if message.state not in (_QUEUED, _TAKEN):
                 break
+        if message.state == _WRITTEN:
+            with self._lock:  # set with its state, which it may have seen first
+                owed = message.wake_next
+            if owed:  # the others of its batch, left to it by the leader (_hand_over)
+                self._wake_owed(message)
         if message.state == _FAILED:
             self._wake_owed(message)
             raise self._failure(message)
@@ -407,6 +415,8 @@ class Writer:
         with self._lock:
             if message.state == _QUEUED and message in self._queue:
                 flush = self._unqueue(message)
+            elif message.state == _TAKEN:  # it leaves: no wake-ups may be left to it
+                message._signal = None
         if flush:
             self._wake_flusher()
         # An interrupted lead may still wait for the socket: not for ever.
@@ -511,6 +521,8 @@ class Writer:
                 owed = _NONE
             else:
                 owed = [m for m in written if m._signal is not None and m is not mine]
+                if len(owed) > 1:  # the first one woken wakes the others (_await_turn)
+                    owed[0].wake_next, owed = owed[1:], owed[:1]
                 if waiter is not None:
                     owed.append(waiter)
                 owed += refused
