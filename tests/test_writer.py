@@ -758,6 +758,21 @@ def test_an_interrupt_as_a_lone_leader_lets_go_after_its_write_lets_go(
     assert_idle_and_working(writer, sock)
 
 
+def lead_and_queue(
+    writer: Writer, sock: FakeSocket, names: str, **kwargs: dict[str, object]
+) -> list[tuple[threading.Thread, list]]:
+    """A leader sending ``A``, held inside ``sendall`` by ``sock`` (held), then a thread
+    sending each of ``names`` (``kwargs[name]``: its send's), each queued before the
+    next starts, so the leader wakes the first to lead the rest: [(thread, outcome)],
+    the leader's first."""
+    senders = [sender(writer, b"A", "leader")]
+    entered(sock)
+    for n, name in enumerate(names, 1):
+        senders.append(sender(writer, name.encode(), name, **kwargs.get(name, {})))
+        queued(writer, n)
+    return senders
+
+
 def test_the_first_waiter_of_a_batch_wakes_the_others_even_if_it_saw_its_state_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -809,13 +824,8 @@ def test_the_first_waiter_of_a_batch_wakes_the_others_even_if_it_saw_its_state_f
     sock.hold()
     writer = make_writer(sock)
     writer._lock = WatchedLock()  # type: ignore[assignment]  # noqa: SLF001
-    leader, leader_out = sender(writer, b"A", "leader")
-    entered(sock)
-    senders = []
-    for n, name in enumerate(("X", "Y", "Z"), 1):  # X first: the leader wakes X to lead
-        senders.append(sender(writer, name.encode(), name))
-        queued(writer, n)
-    y_thread, y_out = senders[1]
+    senders = lead_and_queue(writer, sock, "XYZ")
+    y_thread, y_out = senders[2]
 
     def y_done() -> None:
         y_thread.join(JOIN)
@@ -823,10 +833,10 @@ def test_the_first_waiter_of_a_batch_wakes_the_others_even_if_it_saw_its_state_f
 
     start(y_done, "watch-Y")
     sock.release_all()
-    for thread, _ in [(leader, leader_out), *senders]:
+    for thread, _ in senders:
         thread.join(JOIN)
     assert hooked == ["once"]
-    assert [out for _, out in [(leader, leader_out), *senders]] == [["ok"]] * 4
+    assert [out for _, out in senders] == [["ok"]] * 4
     assert bytes(sock.data) == b"AXYZ"
     assert_idle_and_working(writer, sock)
 
@@ -853,23 +863,17 @@ def test_a_waiter_that_gave_up_on_its_batch_is_not_left_to_wake_the_others(
     sock = FakeSocket()
     sock.hold()
     writer = make_writer(sock)
-    leader, leader_out = sender(writer, b"A", "leader")
-    entered(sock)
-    senders = []
-    for n, name in enumerate(("X", "Y", "Z"), 1):  # X first: the leader wakes X to lead
-        kwargs = {"timeout": JOIN} if name == "Y" else {}
-        senders.append(sender(writer, name.encode(), name, **kwargs))
-        queued(writer, n)
+    senders = lead_and_queue(writer, sock, "XYZ", Y={"timeout": JOIN})
     sock.permit()  # A is written; X leads X, Y and Z, and waits in sendall
     entered(sock)
     give_up.set()
-    y_thread, y_out = senders[1]
+    y_thread, y_out = senders[2]
     y_thread.join(JOIN)
     assert isinstance(y_out[0], TimeoutError) and "may have been" in str(y_out[0])
     sock.release_all()
-    for thread, _ in [(leader, leader_out), *senders]:
+    for thread, _ in senders:
         thread.join(JOIN)
-    outcomes = [out for _, out in [(leader, leader_out), *senders]]
+    outcomes = [out for _, out in senders]
     assert outcomes[:2] == [["ok"], ["ok"]] and outcomes[3] == ["ok"], outcomes
     assert bytes(sock.data) == b"AXYZ"
     assert_idle_and_working(writer, sock)
