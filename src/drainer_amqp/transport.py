@@ -131,7 +131,8 @@ class Transport(pyamqp.Transport):
     def unregister_from_event_loop(self, connection: DrainerConnection, loop: Any) -> None:
         if connection.reader.owns_socket and connection.inbox.watched:
             loop.remove_reader(connection.inbox_fileno())
-            if connection.loop_reads and (fd := connection.watch_in_event_loop(False)):
+            fd = connection.watch_in_event_loop(False) if connection.loop_reads else None
+            if fd is not None:  # descriptor 0 is a descriptor too
                 loop.remove_reader(fd)
         return super().unregister_from_event_loop(connection, loop)
 
