@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -523,83 +524,120 @@ def hold_back_writes(conn: drainer_amqp.Connection, held: threading.Event) -> No
     writer._start_flush = lambda: None if held.is_set() else start()  # type: ignore[method-assign]
 
 
+def acks_in(stream: bytes, channel_id: int) -> set[int]:
+    """The delivery tags of the ``Basic.Ack`` frames on ``channel_id`` in what a client
+    sent (its protocol header first)."""
+    tags = set()
+    at = 8
+    while at + 7 <= len(stream):
+        kind, channel, size = struct.unpack_from(">BHI", stream, at)
+        if kind == 1 and channel == channel_id and stream[at + 7 : at + 11] == b"\x00\x3c\x00\x50":
+            tags.add(struct.unpack_from(">Q", stream, at + 11)[0])
+        at += 7 + size + 1
+    return tags
+
+
 @pytest.mark.parametrize("ending", ["close", "channel.close", "kombu release", "link failure"])
 @pytest.mark.parametrize("mode", MODES)
 def test_every_ack_that_returned_is_applied_before_the_end(
     mode: str, ending: str, fresh_queue: str
 ) -> None:
     """An ack that returned is written: whatever ends the connection or the channel next
-    comes after it on the wire, and a link that fails right after it (the socket shut
-    down, which sends what the kernel holds) loses it no more than stock. Acks made while
-    another thread publishes on the connection, then the last ones with the drainer kept
-    from writing anything behind, as the end comes."""
+    comes after it on the wire, and a link that fails right after it loses it no more
+    than stock: it had reached the kernel. Acks made while another thread publishes on
+    the connection, then the last ones with the drainer kept from writing anything
+    behind, as the end comes.
+
+    The link failure is the client's socket shut for writing (the kernel sends what it
+    holds, then the end) behind a relay that keeps every byte the client sent: each ack
+    that returned must be among them. The broker is not asked which it applied: on a link
+    that ends without a close, it may drop acks it had received, whatever the client."""
     prefill(fresh_queue)
     acked: list[bytes] = []
+    tags: list[int] = []
     held = threading.Event()
 
-    def ack(settle: Callable[[], object], body: bytes) -> None:
+    def ack(settle: Callable[[], object], body: bytes, tag: int) -> None:
         if len(acked) < ACKED_BEFORE_END:
             if len(acked) == ACKED_BEFORE_END - HELD_BACK:
                 held.set()
             settle()
             acked.append(body)
+            tags.append(tag)
 
-    conn: kombu.Connection | None = None
-    if ending == "kombu release":
-        conn = kombu.Connection(
-            f"amqp://guest:guest@{BROKER_HOST}//",
-            transport="drainer_amqp:Transport",
-            transport_options={"dedicated_drainer": mode == "drainer"},
-        )
-        consumer = kombu.Consumer(
-            conn.channel(),
-            queues=[kombu.Queue(fresh_queue, no_declare=True)],
-            callbacks=[lambda body, message: ack(message.ack, message.body)],
-            accept=None,
-            prefetch_count=100,
-        )
-        consumer.consume()
-        drainer_conn = conn.connection
-    else:
-        drainer_conn = connect(mode)
-        channel = drainer_conn.channel()
-        channel.basic_qos(0, 100, False)
-        channel.basic_consume(
-            fresh_queue,
-            callback=lambda m: ack(partial(channel.basic_ack, m.delivery_tag), m.body),
-        )
-    hold_back_writes(drainer_conn, held)
-    side = drainer_conn.channel()
-    nowhere = unique_name("drainer-promise-nowhere")
-
-    def publish(i: int, body: bytes) -> None:  # keeps the writer busy, routed nowhere
-        side.basic_publish(Message(body), routing_key=nowhere)
-
-    def drain_until(count: int) -> None:
-        deadline = time.monotonic() + JOIN
-        while len(acked) < count and time.monotonic() < deadline:
-            drainer_conn.drain_events(timeout=1)
-
-    try:
-        with Publishers(1, publish) as publishers:
-            publishers.wait_for(10)
-            drain_until(ACKED_BEFORE_END - HELD_BACK)
-        drain_until(ACKED_BEFORE_END)  # the publisher has stopped: these stay queued
-        if ending == "close":
-            drainer_conn.close()
-        elif ending == "channel.close":
-            channel.close()
-            drainer_conn.close()
-        elif ending == "link failure":
-            drainer_conn.sock.shutdown(socket.SHUT_RDWR)
-            # The broker requeues what was not acked once it sees the link end.
-            assert wait_until(lambda: queue_size(fresh_queue) >= PREFILLED - len(acked), JOIN)
+    with contextlib.ExitStack() as stack:
+        conn: kombu.Connection | None = None
+        if ending == "kombu release":
+            conn = kombu.Connection(
+                f"amqp://guest:guest@{BROKER_HOST}//",
+                transport="drainer_amqp:Transport",
+                transport_options={"dedicated_drainer": mode == "drainer"},
+            )
+            consumer = kombu.Consumer(
+                conn.channel(),
+                queues=[kombu.Queue(fresh_queue, no_declare=True)],
+                callbacks=[
+                    lambda body, message: ack(message.ack, message.body, message.delivery_tag)
+                ],
+                accept=None,
+                prefetch_count=100,
+            )
+            consumer.consume()
+            drainer_conn = conn.connection
         else:
-            assert conn is not None
-            conn.release()
-    finally:
-        drainer_conn.collect()
-    assert_acks_applied(acked, fresh_queue)
+            if ending == "link failure":
+                link = stack.enter_context(relay())
+                drainer_conn = connect(mode, host=f"127.0.0.1:{link.port}")
+            else:
+                drainer_conn = connect(mode)
+            channel = drainer_conn.channel()
+            channel.basic_qos(0, 100, False)
+            channel.basic_consume(
+                fresh_queue,
+                callback=lambda m: ack(
+                    partial(channel.basic_ack, m.delivery_tag), m.body, m.delivery_tag
+                ),
+            )
+        hold_back_writes(drainer_conn, held)
+        side = drainer_conn.channel()
+        nowhere = unique_name("drainer-promise-nowhere")
+
+        def publish(i: int, body: bytes) -> None:  # keeps the writer busy, routed nowhere
+            side.basic_publish(Message(body), routing_key=nowhere)
+
+        def drain_until(count: int) -> None:
+            deadline = time.monotonic() + JOIN
+            while len(acked) < count and time.monotonic() < deadline:
+                drainer_conn.drain_events(timeout=1)
+
+        try:
+            with Publishers(1, publish) as publishers:
+                publishers.wait_for(10)
+                drain_until(ACKED_BEFORE_END - HELD_BACK)
+            drain_until(ACKED_BEFORE_END)  # the publisher has stopped: these stay queued
+            if ending == "close":
+                drainer_conn.close()
+            elif ending == "channel.close":
+                channel.close()
+                drainer_conn.close()
+            elif ending == "link failure":
+                drainer_conn.sock.shutdown(socket.SHUT_WR)
+                assert link.client_ended.wait(JOIN)
+                assert len(acked) == ACKED_BEFORE_END
+                unwritten = set(tags) - acks_in(bytes(link.sent), channel.channel_id)
+                assert not unwritten, f"{len(unwritten)} acks returned and never sent"
+                # The broker requeues what it did not apply once it sees the link end.
+                assert wait_until(lambda: queue_size(fresh_queue) >= PREFILLED - len(acked), JOIN)
+            else:
+                assert conn is not None
+                conn.release()
+        finally:
+            drainer_conn.collect()
+    if ending == "link failure":  # nothing lost: each body acked or back in the queue
+        left = queue_bodies(fresh_queue)
+        assert set(left) | set(acked) == {b"todo-%04d" % i for i in range(PREFILLED)}
+    else:
+        assert_acks_applied(acked, fresh_queue)
 
 
 ACK_EXIT_SCRIPT = """

@@ -37,6 +37,7 @@ class Relay:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, client_rcvbuf)
         self.forwarding = threading.Event()  # cleared by a test; set again by close()
         self.sent = bytearray()  # every byte the client sent, appended by the "up" thread
+        self.client_ended = threading.Event()  # the client's stream ended: sent is whole
         self.forwarding.set()
         self._stop_after = b""  # set by stop_after(), read by the "up" thread
         self.port = self._listener.getsockname()[1]
@@ -86,6 +87,8 @@ class Relay:
             pass
         finally:
             self._shutdown(dst)
+            if not to_client:
+                self.client_ended.set()
 
     @staticmethod
     def _shutdown(sock: socket.socket) -> None:
