@@ -570,6 +570,139 @@ CALLBACK_WAITS: dict[str, Callable[[Any, str, Any], object]] = {
 }
 
 
+def test_a_done_callback_that_writes_does_not_wait_for_the_drainers_own_write(
+    queue: str,
+) -> None:
+    """A done callback runs in the drainer's thread, which may hold the lead on a write
+    behind that the socket has not taken whole (it waits for the socket to be writable):
+    a publish from the callback must not wait for that lead, which only its own thread
+    would finish (it goes out with that batch), and a call that waits for a reply raises
+    at once, having sent nothing.
+
+    Forced: the socket takes the first of two deferred publishes written as one batch,
+    then nothing while ``stalled`` is set; the first one's ack comes meanwhile."""
+    conn = connect("drainer")
+    try:
+        channel = conn.channel()
+        channel.confirm_select()
+        writer = conn.writer
+        assert writer is not None
+        held, stalled, done = threading.Event(), threading.Event(), threading.Event()
+        budget = [0]  # bytes the socket takes while stalled
+        start_flush, send_some = writer._start_flush, writer._send_some
+
+        def held_start() -> Any:
+            return None if held.is_set() else start_flush()
+
+        def stalling_send(mine: Any) -> bool:
+            if not stalled.is_set():
+                return send_some(mine)
+            whole = writer._unsent
+            writer._unsent = whole[: budget[0]]
+            send_some(mine)
+            taken = budget[0] - len(writer._unsent)
+            budget[0] -= taken
+            writer._unsent = whole[taken:]
+            return not writer._unsent
+
+        writer._start_flush = held_start  # type: ignore[method-assign]
+        writer._send_some = stalling_send  # type: ignore[method-assign]
+        seen: list[object] = []
+
+        def on_done(future: concurrent.futures.Future[Any]) -> None:
+            try:
+                channel.basic_publish(Message(b"from-callback"), routing_key=queue)
+                seen.append("published")
+                channel.queue_declare(queue, passive=True)
+                seen.append("declared")
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                seen.append(exc)
+            finally:
+                done.set()
+
+        held.set()
+        stalled.set()
+        first = channel.basic_publish_deferred(Message(b"first"), routing_key=queue)
+        second = channel.basic_publish_deferred(Message(b"second"), routing_key=queue)
+        budget[0] = sum(map(len, writer._behind[0].chunks))  # the first one's frames
+        first.add_done_callback(on_done)
+        held.clear()
+        conn.reader.wake()  # type: ignore[attr-defined]
+        assert done.wait(JOIN), "the done callback hung on its publish"
+        assert seen[0] == "published", seen
+        assert isinstance(seen[1], drainer_amqp.CannotWaitInReadingThread), seen
+        assert writer._flushing is not None  # the drainer still held its lead
+        stalled.clear()
+        conn.reader.wake()  # type: ignore[attr-defined]
+        assert second.result(JOIN) is True
+        # Nothing was sent for the refused wait: the next reply is this call's own.
+        assert channel.queue_declare(queue, passive=True).message_count >= 0
+    finally:
+        conn.close()
+    assert sorted(consume_all(queue, 3)) == [b"first", b"from-callback", b"second"]
+
+
+def test_a_done_callback_that_writes_does_not_wait_for_a_write_that_waits_for_it(
+    queue: str,
+) -> None:
+    """Legacy mode: a done callback runs in the thread that reads, holding the transport
+    lock, which a writer also takes to write. A publish from the callback must not wait
+    for another thread's write, which waits for that lock: it goes out with that write.
+
+    Forced: as the callback runs, another thread publishes, and the callback publishes
+    once that thread leads and is taking the socket."""
+    conn = connect("legacy")
+    try:
+        channel, other = conn.channel(), conn.channel()
+        channel.confirm_select()
+        writer = conn.writer
+        assert writer is not None
+        io_lock = writer.io_lock
+        taking, done = threading.Event(), threading.Event()
+
+        class WatchedLock:  # the socket's lock: says when the other thread goes for it
+            def acquire(self, *args: Any, **kwargs: Any) -> bool:
+                if threading.current_thread().name == "test-other-publisher":
+                    taking.set()
+                return bool(io_lock.acquire(*args, **kwargs))
+
+            def release(self) -> None:
+                io_lock.release()
+
+        writer.io_lock = WatchedLock()
+        publisher = threading.Thread(
+            target=lambda: other.basic_publish(Message(b"other"), routing_key=queue),
+            name="test-other-publisher",
+            daemon=True,
+        )
+        seen: list[object] = []
+
+        def on_done(future: concurrent.futures.Future[Any]) -> None:
+            try:
+                publisher.start()
+                assert taking.wait(JOIN)
+                channel.basic_publish(Message(b"from-callback"), routing_key=queue)
+                seen.append("published")
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                seen.append(exc)
+            finally:
+                done.set()
+
+        first = channel.basic_publish_deferred(Message(b"first"), routing_key=queue)
+        first.add_done_callback(on_done)
+        reader = threading.Thread(target=first.result, args=(JOIN,), daemon=True)
+        reader.start()  # reads the ack, and runs the callback, holding the lock
+        assert done.wait(JOIN), "the done callback hung on its publish"
+        assert seen == ["published"], seen
+        reader.join(JOIN)
+        publisher.join(JOIN)
+        assert not reader.is_alive() and not publisher.is_alive()
+        assert first.result(0) is True
+    finally:
+        conn.close()
+    assert sorted(consume_all(queue, 3)) == [b"first", b"from-callback", b"other"]
+
+
 @pytest.mark.parametrize("call", sorted(CALLBACK_WAITS))
 def test_a_done_callback_that_would_wait_for_itself_raises_at_once(call: str, queue: str) -> None:
     """In drainer mode a future's done callback runs in the thread that reads: a call

@@ -189,6 +189,12 @@ def _deliver_now(channel: Any, method_sig: Any, payload: bytes, content: Any) ->
     return listener(*args, content)
 
 
+def _reads_here(conn: ChannelConnection) -> bool:
+    """Whether this thread is the drainer's, dispatching what it read (a done callback
+    runs there): a wait for what the connection reads would wait for itself."""
+    return conn.reader.owns_socket and conn.dispatching_thread == threading.get_ident()
+
+
 class ChannelConnection(Protocol):
     """What a channel uses of its :class:`drainer_amqp.Connection`."""
 
@@ -309,7 +315,14 @@ class Channel(pyamqp.Channel):
 
     # -- waiting for replies ---------------------------------------------------------
     def _expect(self, conn: ChannelConnection, methods: Any) -> Waiter:
-        """Register a wait *before* the request is written (py-amqp issue 90)."""
+        """Register a wait *before* the request is written (py-amqp issue 90). In the
+        drainer's reading thread (a done callback) it raises ``CannotWaitInReadingThread``
+        instead, before anything is written: only that thread would read the reply."""
+        if _reads_here(conn):
+            raise CannotWaitInReadingThread(
+                "this thread reads the connection (a done callback of a deferred publish): "
+                "it cannot wait for a reply only it would read (nothing was sent)"
+            )
         methods = tuple(methods) if isinstance(methods, list) else (methods,)
         waiter = Waiter(methods)
         for method in methods:
@@ -753,9 +766,7 @@ class Channel(pyamqp.Channel):
                 pass  # reported below
         left = None if deadline is None else deadline - monotonic()
         # A done callback (drainer mode): only this thread would read the confirms that free room.
-        reads_confirms = (
-            conn.reader.owns_socket and conn.dispatching_thread == threading.get_ident()
-        )
+        reads_confirms = _reads_here(conn)
         if reads_confirms:
             left = 0
         if not window.enter(left):

@@ -164,9 +164,7 @@ class Connection(amqp.Connection):
     def _write_frame(
         self, type_: int, channel: int, method_sig: Any, args: Any, content: Any
     ) -> None:
-        # Heartbeats and the reader's own replies are appended without waiting.
-        block = type_ != 8 and self.dispatching_thread != threading.get_ident()
-        self.send_frames(channel, method_sig, args, content, type_=type_, block=block)
+        self.send_frames(channel, method_sig, args, content, type_=type_, block=type_ != 8)
 
     def send_frames(
         self,
@@ -186,10 +184,17 @@ class Connection(amqp.Connection):
         """Encode one method (with its content, if any) and send its frames whole, after
         everything sent before; ``encoded``: its frames, encoded already (by
         ``publish_encoder``). See :meth:`Writer.send` for ``take``, ``block``, ``last``,
-        ``behind``."""
+        ``behind``.
+
+        The thread that dispatches what it read (the reader's replies, a done callback)
+        never waits for another thread's write: that write may wait for this thread (the
+        drainer's lead on a write behind, the legacy reader's transport lock), so its
+        message goes out with the batch being written, or at once if there is none."""
         writer = self.writer
         if writer is None:
             raise self.error_for_caller()
+        if block and self.dispatching_thread == threading.get_ident():
+            block = False
         if encoded is None:
             with self._encode_lock:
                 self._encode(type_, channel, method_sig, args, content)

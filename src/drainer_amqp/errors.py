@@ -66,8 +66,9 @@ class CannotWaitInReadingThread(RuntimeError):
     """A call that waits for the broker (a reply, a confirm, room among the outstanding
     confirms, a delivery) was made in the thread that reads the connection, while it
     dispatches what it read: a deferred publish's done callback, in drainer mode. That
-    thread would wait for itself, so the call raises at once instead. Hand such work to
-    another thread, or publish deferred and do not wait."""
+    thread would wait for itself, so the call raises at once instead (a method that
+    waits for a reply, before it is sent). Hand such work to another thread, or publish
+    and do not wait."""
 
 
 # -- which connection an error came from -----------------------------------------------
