@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import pytest
 
@@ -732,27 +733,56 @@ def test_an_interrupt_between_a_leaders_write_and_its_hand_over_hands_over(
     assert_idle_and_working(writer, sock)
 
 
-def test_an_interrupt_as_a_lone_leader_lets_go_after_its_write_lets_go(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+class InterruptingLock:
+    """A lock whose ``n``-th entry by the thread named ``name`` raises
+    ``KeyboardInterrupt`` instead (a signal landing as it takes the lock)."""
+
+    def __init__(self, lock: Any, name: str, n: int) -> None:
+        self._lock, self._name, self._n = lock, name, n
+        self.entries = 0
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        if threading.current_thread().name == self._name:
+            self.entries += 1
+            if self.entries == self._n:
+                raise KeyboardInterrupt
+        return bool(self._lock.acquire(*args, **kwargs))
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def test_an_interrupt_as_a_lone_leader_lets_go_after_its_write_lets_go() -> None:
     """Nobody else writes or waits: a signal lands in the leader just after its
     ``sendall``, as it takes the lock to let go of the lead. The clean-up lets go (the
     message written once) and then raises; the next send is written at once."""
-    real_gather = Writer._gather
-    interrupted: list[str] = []
-
-    def gather(self: Writer) -> None:
-        if not interrupted and threading.current_thread().name == "leader":
-            interrupted.append("once")
-            raise KeyboardInterrupt
-        real_gather(self)
-
-    monkeypatch.setattr(Writer, "_gather", gather)
     sock = FakeSocket()
     writer = make_writer(sock)
+    writer._lock = lock = InterruptingLock(writer._lock, "leader", 2)  # type: ignore[assignment]
     leader, leader_out = sender(writer, b"A", "leader")
     leader.join(JOIN)
-    assert interrupted == ["once"]
+    assert lock.entries >= 2
+    assert isinstance(leader_out[0], KeyboardInterrupt), leader_out
+    assert bytes(sock.data) == b"A", "written twice, or not at all"
+    assert_idle_and_working(writer, sock)
+
+
+def test_an_interrupt_as_a_lone_leader_takes_the_socket_still_writes_and_lets_go() -> None:
+    """Nobody else writes or waits: a signal lands in the leader as it takes the socket
+    (its message taken, nothing written). The clean-up writes it (taken means written)
+    and lets go, then raises; the next send is written at once."""
+    sock = FakeSocket()
+    io_lock = InterruptingLock(threading.RLock(), "leader", 1)
+    writer = make_writer(sock, io_lock)
+    leader, leader_out = sender(writer, b"A", "leader")
+    leader.join(JOIN)
+    assert io_lock.entries >= 2
     assert isinstance(leader_out[0], KeyboardInterrupt), leader_out
     assert bytes(sock.data) == b"A", "written twice, or not at all"
     assert_idle_and_working(writer, sock)
@@ -1235,16 +1265,23 @@ def test_a_message_queued_behind_as_the_leader_lets_go_wakes_the_flusher() -> No
     sock, writer, leader = busy_writer()
     wakes: list[str] = []
     writer.flusher_wake = lambda: wakes.append("wake")
-    gather = writer._gather  # noqa: SLF001
 
-    def gather_then_a_sender_comes() -> None:
-        gather()
-        writer._gather = gather  # type: ignore[method-assign]  # noqa: SLF001
-        writer.send([b"B"], behind=lambda error: None)
+    class LateBehind(deque):  # type: ignore[type-arg]
+        """The leader's look at it (as it lets go) sees it empty; B comes just after."""
 
-    writer._gather = gather_then_a_sender_comes  # type: ignore[method-assign]  # noqa: SLF001
+        looked = False
+
+        def __len__(self) -> int:
+            size = super().__len__()
+            if not self.looked and threading.current_thread() is leader:
+                self.looked = True
+                writer.send([b"B"], behind=lambda error: None)
+            return size
+
+    writer._behind = LateBehind()  # noqa: SLF001
     sock.release_all()
     leader.join(JOIN)
+    assert writer._behind.looked  # type: ignore[attr-defined]  # noqa: SLF001
     assert bytes(sock.data) == b"A"
     assert wakes == ["wake"]
     assert writer.flush() is False

@@ -383,6 +383,23 @@ class Channel(pyamqp.Channel):
         except _Refused as refused:
             self._raise_channel_error(conn, refused.error)
 
+    def basic_ack(self, delivery_tag: int, multiple: bool = False, argsig: str = "Lb") -> Any:
+        """py-amqp's, as :meth:`send_method` writes it, in fewer steps: a consumer may
+        ack every delivery."""
+        conn, channel_id = self.connection, self.channel_id
+        if conn is None or channel_id is None or self._close_error is not None:
+            return super().basic_ack(delivery_tag, multiple, argsig)
+        encoded: list[bytes | memoryview] = [
+            _settlement_frame(channel_id, _ACK, (delivery_tag, multiple))
+        ]
+        try:
+            conn.send_frames(channel_id, _ACK, None, None, take=self._check_open, encoded=encoded)
+        except _Refused as refused:
+            self._raise_channel_error(conn, refused.error)
+        written = promise()  # as py-amqp's: fulfilled once written
+        written()
+        return written
+
     def send_method(  # type: ignore[override]
         self,
         sig: tuple[int, int],

@@ -48,8 +48,9 @@ A thread with a complete message (all its frames, already encoded) calls
   State changes happen under the lock, and the wake-ups after it can be repeated, so
   the clean-up can always finish what the interrupted step began.
 
-``block=False`` (heartbeats, and the replies of the thread that reads) never sleeps:
-the message is queued for the leader, or written at once when nobody is writing.
+``block=False`` (heartbeats, and every write of the thread that dispatches what it read:
+its replies, a done callback's) never sleeps: the message is queued for the leader, or
+written at once when nobody is writing.
 
 **Written behind.** When the connection has a *flusher* (drainer mode on plain TCP: the
 drainer thread), ``send(behind=...)`` (a deferred publish, whose future is its promise)
@@ -249,6 +250,8 @@ class Writer:
             and self._queue_behind(data, take, behind)
         ):
             return
+        if timeout is None and last is None and self._send_alone(data, take):
+            return
         deadline = None if timeout is None else deadline_after(timeout)
         message = _Message(data, take)
         try:
@@ -268,10 +271,7 @@ class Writer:
                 if last is not None and message.error is None:
                     self._error = last
             if message.state == _LEAD:
-                if len(message.batch) == 1 and message.batch[0] is message:
-                    self._lead_alone(message, deadline)
-                else:
-                    self._lead(message, deadline)
+                self._lead(message, deadline)
             elif message.state == _FAILED:
                 self._wake_owed(message)
             elif block:
@@ -281,6 +281,61 @@ class Writer:
             raise
         if message.error is not None:  # refused as it was taken
             raise message.error
+
+    def _send_alone(self, data: list[bytes | memoryview], take: Callable[[], Any] | None) -> bool:
+        """:meth:`send`'s common case, in fewer steps: nobody leads and nothing is queued,
+        so the caller takes the lead for its message alone and writes it at once. False,
+        with nothing done (``take`` not called), when that is not the case.
+
+        The same steps as any lead (take, lead, write, let go), without a
+        :class:`_Message` until one is needed: when another thread came meanwhile (it is
+        handed over to as by any leader), or to carry on after a failed write or an
+        interruption, as :meth:`send`'s clean-up does."""
+        with self._lock:
+            if self._leading or self._queue or self._behind or self._error is not None:
+                return False
+            if take is not None:
+                take()  # a refusal raises: nothing was queued or written
+            self._leading = True
+            self._yielded = None
+        try:
+            self.io_lock.acquire()
+        except BaseException:
+            self._withdraw(self._lone_lead(data, written=False), None)  # it writes the message
+            raise
+        try:
+            self._write(data[0] if len(data) == 1 else b"".join(data), None)
+        except BaseException as exc:
+            self._failed(self._lone_lead(data, written=False), exc)  # the connection ends
+            raise
+        leading, mine = True, None
+        try:
+            with self._lock:
+                if not self._queue and not self._behind:
+                    self._leading = leading = False
+            if leading:  # other threads came meanwhile: hand over, as any leader
+                mine = self._lone_lead(data, written=True)
+                self._lead(mine, None)
+        except BaseException:
+            if leading:
+                self._withdraw(mine or self._lone_lead(data, written=True), None)
+            raise
+        if not leading and self._behind and not self._leading and not self._flush_owed:
+            self._flush_owed = True  # queued behind after the lead was let go
+            self._wake_flusher()
+        return True
+
+    @staticmethod
+    def _lone_lead(data: list[bytes | memoryview], written: bool) -> _Message:
+        """The message :meth:`_send_alone` leads, made once it has to carry on as any
+        leader: its batch still to write, or ``written``."""
+        mine = _Message(data, None)
+        mine.state = _LEAD
+        if written:
+            mine.written = [mine]
+        else:
+            mine.batch = [mine]
+        return mine
 
     def _queue_behind(
         self,
@@ -442,24 +497,6 @@ class Writer:
             if mine.batch:
                 self._write_batch(mine, self._joined(mine.batch), deadline)
             self._hand_over(mine)
-
-    def _lead_alone(self, mine: _Message, deadline: float | None) -> None:
-        """:meth:`_lead` for a batch of ``mine`` alone (the common case): the same steps,
-        in fewer calls, and, if nobody came meanwhile, :meth:`_hand_over`'s common case;
-        otherwise (and to carry on after an interruption) :meth:`_lead` takes over."""
-        chunks = mine.chunks
-        self._write_batch(mine, chunks[0] if len(chunks) == 1 else b"".join(chunks), deadline)
-        with self._lock:
-            self._gather()
-            if not self._queue:
-                mine.written = []
-                mine.state = _WRITTEN
-                self._leading = False
-        if mine.state == _LEAD:
-            self._lead(mine, deadline)
-        elif self._behind and not self._leading and not self._flush_owed:
-            self._flush_owed = True  # queued behind after the lead was let go
-            self._wake_flusher()
 
     def _write_batch(
         self, mine: _Message, payload: bytes | memoryview, deadline: float | None
