@@ -357,6 +357,7 @@ class Worker(ConsumerMixin):
         message.ack()
         with self.cond:
             self.bodies.append(body)
+            self.consumer_channel = message.channel  # for a round trip behind the ack
             self.cond.notify_all()
 
     def wait_for(self, predicate: Callable[[], bool]) -> bool:
@@ -400,6 +401,10 @@ def test_consumer_mixin_reconnects_after_a_real_failure(
         assert worker.wait_for(lambda: len(worker.live) == 1)
         publish_direct(admin, queue, "one")
         assert worker.wait_for(lambda: worker.bodies == ["one"])
+        # A round trip on the consumer's channel: the broker has applied the ack before
+        # it, so the link failure below cannot lose the ack (as it may lose one still on
+        # the way, and the broker then delivers "one" again: at least once).
+        worker.consumer_channel.basic_qos(0, 0, False)
         first = worker.live[0].connection
 
         if failure == "link_closed":
