@@ -758,31 +758,23 @@ class InterruptingLock:
         self.release()
 
 
-def test_an_interrupt_as_a_lone_leader_lets_go_after_its_write_lets_go() -> None:
-    """Nobody else writes or waits: a signal lands in the leader just after its
-    ``sendall``, as it takes the lock to let go of the lead. The clean-up lets go (the
-    message written once) and then raises; the next send is written at once."""
+@pytest.mark.parametrize("where", ["taking the socket", "letting go"])
+def test_an_interrupted_lone_leader_writes_its_message_once_and_lets_go(where: str) -> None:
+    """Nobody else writes or waits: a signal lands in the leader as it takes the socket
+    (its message taken, nothing written: the clean-up writes it, taken means written),
+    or just after its ``sendall``, as it takes the lock to let go of the lead. Either
+    way the message is written once and the lead let go, then the interrupt raises; the
+    next send is written at once."""
     sock = FakeSocket()
-    writer = make_writer(sock)
-    writer._lock = lock = InterruptingLock(writer._lock, "leader", 2)  # type: ignore[assignment]
+    if where == "taking the socket":
+        lock = InterruptingLock(threading.RLock(), "leader", 1)
+        writer = make_writer(sock, lock)
+    else:
+        writer = make_writer(sock)
+        writer._lock = lock = InterruptingLock(writer._lock, "leader", 2)  # type: ignore[assignment]
     leader, leader_out = sender(writer, b"A", "leader")
     leader.join(JOIN)
     assert lock.entries >= 2
-    assert isinstance(leader_out[0], KeyboardInterrupt), leader_out
-    assert bytes(sock.data) == b"A", "written twice, or not at all"
-    assert_idle_and_working(writer, sock)
-
-
-def test_an_interrupt_as_a_lone_leader_takes_the_socket_still_writes_and_lets_go() -> None:
-    """Nobody else writes or waits: a signal lands in the leader as it takes the socket
-    (its message taken, nothing written). The clean-up writes it (taken means written)
-    and lets go, then raises; the next send is written at once."""
-    sock = FakeSocket()
-    io_lock = InterruptingLock(threading.RLock(), "leader", 1)
-    writer = make_writer(sock, io_lock)
-    leader, leader_out = sender(writer, b"A", "leader")
-    leader.join(JOIN)
-    assert io_lock.entries >= 2
     assert isinstance(leader_out[0], KeyboardInterrupt), leader_out
     assert bytes(sock.data) == b"A", "written twice, or not at all"
     assert_idle_and_working(writer, sock)

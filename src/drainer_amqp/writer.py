@@ -495,21 +495,15 @@ class Writer:
             if mine.state != _LEAD:
                 return
             if mine.batch:
-                self._write_batch(mine, self._joined(mine.batch), deadline)
+                payload = self._joined(mine.batch)  # before the socket is taken
+                self._take_socket(mine, deadline)  # interrupted: nothing written, still ours
+                try:
+                    self._write(payload, deadline)
+                except BaseException as exc:
+                    self._failed(mine, exc)
+                    raise
+                mine.written, mine.batch = mine.batch, []
             self._hand_over(mine)
-
-    def _write_batch(
-        self, mine: _Message, payload: bytes | memoryview, deadline: float | None
-    ) -> None:
-        """Write ``payload`` (``mine.batch``, joined before the socket is taken) and
-        record the batch written."""
-        self._take_socket(mine, deadline)  # interrupted: nothing written, still ours
-        try:
-            self._write(payload, deadline)
-        except BaseException as exc:
-            self._failed(mine, exc)
-            raise
-        mine.written, mine.batch = mine.batch, []
 
     def _take_socket(self, mine: _Message, deadline: float | None) -> None:
         """Take ``io_lock`` for the write of ``mine.batch`` (in legacy mode a reader may
