@@ -70,6 +70,11 @@ its own message; so a thread's messages keep their order whichever way each is s
 
 The queue holds at most one waiting message per thread, the replies, and
 ``UNWRITTEN_LIMIT`` bytes written behind.
+
+**The interpreter lock.** A write goes first to :func:`~drainer_amqp.sending.send_at_once`,
+which gives the socket what it takes at once without letting go of the interpreter lock
+(``sendall`` lets go of it, and with many threads waiting for it, getting it back costs
+the writer two context switches); ``sendall`` writes the rest.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ from functools import partial
 from time import monotonic
 from typing import Any
 
+from .sending import send_at_once
 from .sync import deadline_after, lock_timeout
 
 __all__ = ["Writer"]
@@ -172,6 +178,7 @@ class Writer:
     ) -> None:
         self.io_lock = io_lock
         self._sock = sock
+        self._send_at_once = send_at_once(sock)
         self._on_error = on_error
         # Guards _queue, _leading, _error, _yielded and every message's state (written;
         # _leading and _error are also read without it). Held to queue, take or remove a
@@ -652,14 +659,16 @@ class Writer:
         sock = self._sock
         try:
             with self.io_lock:
-                previous = sock.gettimeout()
-                sock.setblocking(False)
-                try:
-                    sent = sock.send(self._unsent)
-                except BlockingIOError:
-                    sent = 0
-                finally:
-                    sock.settimeout(previous)
+                sent = self._send_at_once(self._unsent) if self._send_at_once else 0
+                if not sent:  # nothing taken: see what the socket says
+                    previous = sock.gettimeout()
+                    sock.setblocking(False)
+                    try:
+                        sent = sock.send(self._unsent)
+                    except BlockingIOError:
+                        sent = 0
+                    finally:
+                        sock.settimeout(previous)
         except BaseException as exc:  # as _write: the stream may end mid-frame
             self._flushing, self._unsent = None, memoryview(b"")
             error = self._on_error(exc)
@@ -714,7 +723,9 @@ class Writer:
         try:
             try:
                 if deadline is None:
-                    sock.sendall(payload)
+                    sent = self._send_at_once(payload) if self._send_at_once else 0
+                    if sent < len(payload):
+                        sock.sendall(payload[sent:] if sent else payload)
                 else:
                     previous = sock.gettimeout()
                     sock.settimeout(max(deadline - monotonic(), 0.001))

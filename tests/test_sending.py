@@ -1,0 +1,172 @@
+"""A small write that keeps the interpreter lock (``send_at_once``), on real sockets: what
+it takes arrives whole and in order, it never blocks, it leaves whatever it cannot do to
+the socket's own calls, and the writer completes a write it took only part of."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from drainer_amqp.sending import MAX_AT_ONCE, send_at_once
+from drainer_amqp.writer import Writer
+
+JOIN = 30.0
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or sys.implementation.name != "cpython",
+    reason="send_at_once is for CPython on Linux; elsewhere it is None (tested below)",
+)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected TCP pair on loopback: (the sender, the receiver)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+    sender.settimeout(JOIN)
+    receiver.settimeout(JOIN)
+    try:
+        yield sender, receiver
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def receive(sock: socket.socket, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = sock.recv(size)
+        assert chunk, "the link ended early"
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def test_a_small_write_is_taken_whole_and_arrives_in_order(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    sender, receiver = pair
+    send = send_at_once(sender)
+    assert send is not None
+    assert send(b"first ") == 6
+    assert send(memoryview(b"xsecondx")[1:-1]) == 6
+    assert receive(receiver, 12) == b"first second"
+
+
+def test_a_write_larger_than_its_limit_is_left_to_sendall(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    sender, receiver = pair
+    send = send_at_once(sender)
+    assert send is not None
+    assert send(b"x" * (MAX_AT_ONCE + 1)) == 0
+    sender.sendall(b"end")
+    assert receive(receiver, 3) == b"end"  # nothing of the large write went out
+
+
+def test_it_never_blocks_and_takes_nothing_once_the_socket_is_full(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    sender, receiver = pair
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    send = send_at_once(sender)
+    assert send is not None
+    chunk = bytes(range(256)) * 16
+    taken = 0
+    while (n := send(chunk)) == len(chunk):  # the receiver does not read: it fills up
+        taken += n
+    taken += n  # the last call took part of it, or nothing
+    assert send(chunk) == 0
+    rest = chunk[n:]
+    reader = threading.Thread(target=lambda: received.append(receive(receiver, taken + len(rest))))
+    received: list[bytes] = []
+    reader.start()
+    sender.sendall(rest)  # the socket's own call writes the rest once the reader reads
+    reader.join(JOIN)
+    assert received == [chunk * (taken // len(chunk)) + chunk]
+
+
+def test_a_failed_send_takes_nothing_and_the_sockets_own_call_raises_the_error(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    sender, _ = pair
+    send = send_at_once(sender)
+    assert send is not None
+    sender.shutdown(socket.SHUT_WR)
+    assert send(b"late") == 0
+    with pytest.raises(BrokenPipeError):
+        sender.sendall(b"late")
+    sender.close()
+    assert send(b"closed") == 0  # no descriptor: nothing written anywhere
+
+
+def test_only_a_plain_socket_gets_one() -> None:
+    assert send_at_once(object()) is None
+    context = ssl.create_default_context()
+    with (
+        socket.socket() as plain,
+        context.wrap_socket(plain, server_hostname="x", do_handshake_on_connect=False) as tls,
+    ):
+        assert send_at_once(tls) is None
+
+
+def real_writer(sock: socket.socket) -> tuple[Writer, list[BaseException | None]]:
+    """A writer on ``sock``; the list gets every error it reports."""
+    errors: list[BaseException | None] = []
+
+    def on_error(exc: BaseException) -> BaseException:
+        errors.append(exc)
+        return exc
+
+    return Writer(sock, threading.Lock(), on_error), errors
+
+
+def half_at_once(writer: Writer) -> list[int]:
+    """Make ``writer``'s sends at once take at most half of each payload; the list gets
+    what each took."""
+    real = writer._send_at_once
+    assert real is not None
+    taken: list[int] = []
+
+    def half(payload: bytes | memoryview) -> int:
+        taken.append(real(bytes(payload)[: max(len(payload) // 2, 1)]))
+        return taken[-1]
+
+    writer._send_at_once = half
+    return taken
+
+
+def test_the_writer_writes_what_was_not_taken_at_once_with_sendall(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    sender, receiver = pair
+    writer, errors = real_writer(sender)
+    taken = half_at_once(writer)
+    message = bytes(range(256)) * 8
+    writer.send([message[:100], message[100:]])
+    writer.send([b"next"])
+    assert receive(receiver, len(message) + 4) == message + b"next"
+    assert taken == [len(message) // 2, 2] and not errors
+
+
+def test_the_flusher_writes_what_was_not_taken_at_once_in_its_next_turns(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    sender, receiver = pair
+    writer, errors = real_writer(sender)
+    writer.flusher_wake = lambda: None
+    taken = half_at_once(writer)
+    writer.send([b"A" * 100], behind=errors.append)
+    writer.send([b"B" * 100], behind=errors.append)
+    turns = 1
+    while writer.flush():
+        turns += 1
+        assert turns < 20, "the flusher never finished"
+    assert receive(receiver, 200) == b"A" * 100 + b"B" * 100
+    assert taken[:2] == [100, 50] and not errors
