@@ -1,6 +1,7 @@
 """A small write that keeps the interpreter lock (``send_at_once``), on real sockets: what
 it takes arrives whole and in order, it never blocks, it leaves whatever it cannot do to
-the socket's own calls, and the writer completes a write it took only part of."""
+the socket's own calls; the writer completes a write it took only part of, and lets go of
+the lock while a thread waits for a reply."""
 
 from __future__ import annotations
 
@@ -116,7 +117,9 @@ def test_only_a_plain_socket_gets_one() -> None:
         assert send_at_once(tls) is None
 
 
-def real_writer(sock: socket.socket) -> tuple[Writer, list[BaseException | None]]:
+def real_writer(
+    sock: socket.socket, waiters: list[object] | None = None
+) -> tuple[Writer, list[BaseException | None]]:
     """A writer on ``sock``; the list gets every error it reports."""
     errors: list[BaseException | None] = []
 
@@ -124,7 +127,7 @@ def real_writer(sock: socket.socket) -> tuple[Writer, list[BaseException | None]
         errors.append(exc)
         return exc
 
-    return Writer(sock, threading.Lock(), on_error), errors
+    return Writer(sock, threading.Lock(), on_error, [] if waiters is None else waiters), errors
 
 
 def half_at_once(writer: Writer) -> list[int]:
@@ -170,3 +173,20 @@ def test_the_flusher_writes_what_was_not_taken_at_once_in_its_next_turns(
         assert turns < 20, "the flusher never finished"
     assert receive(receiver, 200) == b"A" * 100 + b"B" * 100
     assert taken[:2] == [100, 50] and not errors
+
+
+def test_while_a_thread_waits_for_a_reply_every_write_lets_go_of_the_lock(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """The thread that reads the reply then gets the interpreter lock within a write."""
+    sender, receiver = pair
+    waiters: list[object] = []
+    writer, errors = real_writer(sender, waiters)
+    taken = half_at_once(writer)
+    writer.send([b"kept "])
+    waiters.append(object())  # a thread waits for a reply
+    writer.send([b"let go "])
+    waiters.clear()
+    writer.send([b"kept"])
+    assert receive(receiver, 16) == b"kept let go kept"
+    assert taken == [2, 2] and not errors  # only the two writes without a waiter

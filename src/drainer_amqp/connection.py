@@ -158,7 +158,7 @@ class Connection(amqp.Connection):
         # A stand-in transport that keeps a copy (py-amqp's writer reuses its buffer).
         out = SimpleNamespace(write=lambda data: self._encoded.append(bytes(data)))
         self._encode = self._frame_writer_cls(connection, out)
-        self.writer = Writer(transport.sock, self.io_lock, self._write_failed)
+        self.writer = Writer(transport.sock, self.io_lock, self._write_failed, self.waiters)
         return self._write_frame
 
     def _write_frame(

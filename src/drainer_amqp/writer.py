@@ -74,7 +74,11 @@ The queue holds at most one waiting message per thread, the replies, and
 **The interpreter lock.** A write goes first to :func:`~drainer_amqp.sending.send_at_once`,
 which gives the socket what it takes at once without letting go of the interpreter lock
 (``sendall`` lets go of it, and with many threads waiting for it, getting it back costs
-the writer two context switches); ``sendall`` writes the rest.
+the writer two context switches); ``sendall`` writes the rest. Not while a thread waits
+for a reply (a method's, a confirm's): then every write lets go of the lock, so the
+thread that reads the reply gets it within a write, not the interpreter's switch
+interval (5 ms) per thread that keeps it busy. The flusher keeps it: it reads the
+replies itself.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from functools import partial
 from time import monotonic
 from typing import Any
@@ -167,7 +171,8 @@ class Writer:
     drainer mode a lock of its own that only TLS reads share (an ``SSLSocket`` may not
     be read and written at once). ``on_error`` turns a socket error into the
     connection's reason (ending the connection, which calls :meth:`fail`) and returns
-    the error to raise.
+    the error to raise. ``waiters``: the threads waiting for a reply (see "The
+    interpreter lock" above).
     """
 
     def __init__(
@@ -175,10 +180,12 @@ class Writer:
         sock: socket.socket,
         io_lock: Any,
         on_error: Callable[[BaseException], BaseException],
+        waiters: Sized = (),
     ) -> None:
         self.io_lock = io_lock
         self._sock = sock
         self._send_at_once = send_at_once(sock)
+        self._waiters = waiters
         self._on_error = on_error
         # Guards _queue, _leading, _error, _yielded and every message's state (written;
         # _leading and _error are also read without it). Held to queue, take or remove a
@@ -723,7 +730,8 @@ class Writer:
         try:
             try:
                 if deadline is None:
-                    sent = self._send_at_once(payload) if self._send_at_once else 0
+                    at_once = self._send_at_once
+                    sent = at_once(payload) if at_once and not self._waiters else 0
                     if sent < len(payload):
                         sock.sendall(payload[sent:] if sent else payload)
                 else:

@@ -37,16 +37,21 @@ def connect(mode: str, host: str = BROKER_HOST, **options: Any) -> drainer_amqp.
 
 
 def queue_bodies(name: str) -> list[bytes]:
-    """Every message body in queue ``name``, taken with basic_get (acked)."""
-    conn = connect("drainer")
+    """Every message body in queue ``name``, taken (no_ack) by a consumer on a stock
+    py-amqp connection: once the queue is empty the consumer is cancelled, and the
+    broker sends the cancel's reply after every delivery it made to it."""
+    conn = connect("stock")
     try:
         channel = conn.channel()
         bodies: list[bytes] = []
-        while True:
-            message = channel.basic_get(name, no_ack=True)
-            if message is None:
-                return bodies
-            bodies.append(message.body)
+        tag = channel.basic_consume(name, no_ack=True, callback=lambda m: bodies.append(m.body))
+        deadline = time.monotonic() + JOIN
+        while channel.queue_declare(name, passive=True).message_count:
+            assert time.monotonic() < deadline, f"{name}: not emptied within {JOIN} s"
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.05)
+        channel.basic_cancel(tag)
+        return bodies
     finally:
         conn.close()
 
