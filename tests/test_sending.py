@@ -9,6 +9,7 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -173,6 +174,51 @@ def test_the_flusher_writes_what_was_not_taken_at_once_in_its_next_turns(
         assert turns < 20, "the flusher never finished"
     assert receive(receiver, 200) == b"A" * 100 + b"B" * 100
     assert taken[:2] == [100, 50] and not errors
+
+
+def test_while_a_thread_waits_for_its_turn_to_write_writes_let_go_of_the_lock(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """A leads and is inside its send at once when B comes and waits for its turn: B's
+    batch is written letting go of the lock (A, or B leading, writes it); once B is
+    back, C's write keeps it again."""
+    sender, receiver = pair
+    writer, errors = real_writer(sender)
+    real = writer._send_at_once
+    assert real is not None
+    inside, go = threading.Event(), threading.Event()
+    calls: list[bytes] = []
+
+    def held_once(payload: bytes | memoryview) -> int:
+        calls.append(bytes(payload))
+        if len(calls) == 1:
+            inside.set()
+            assert go.wait(JOIN)
+        return real(payload)
+
+    writer._send_at_once = held_once
+    a = threading.Thread(target=writer.send, args=([b"A"],), name="test-A")
+    a.start()
+    assert inside.wait(JOIN)
+    b = threading.Thread(target=writer.send, args=([b"B"],), name="test-B")
+    b.start()
+    queued(writer, 1)
+    assert len(writer._turn_waiters) == 1
+    go.set()
+    for thread in (a, b):
+        thread.join(JOIN)
+    assert not writer._turn_waiters
+    writer.send([b"C"])
+    assert receive(receiver, 3) == b"ABC"
+    assert calls == [b"A", b"C"] and not errors
+
+
+def queued(writer: Writer, n: int) -> None:
+    """Until ``n`` messages wait in the writer's queue."""
+    deadline = time.monotonic() + JOIN
+    while len(writer._queue) < n:
+        assert time.monotonic() < deadline, f"{len(writer._queue)} queued, not {n}"
+        time.sleep(0.001)
 
 
 def test_while_a_thread_waits_for_a_reply_every_write_lets_go_of_the_lock(

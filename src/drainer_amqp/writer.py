@@ -74,11 +74,12 @@ The queue holds at most one waiting message per thread, the replies, and
 **The interpreter lock.** A write goes first to :func:`~drainer_amqp.sending.send_at_once`,
 which gives the socket what it takes at once without letting go of the interpreter lock
 (``sendall`` lets go of it, and with many threads waiting for it, getting it back costs
-the writer two context switches); ``sendall`` writes the rest. Not while a thread waits
-for a reply (a method's, a confirm's): then every write lets go of the lock, so the
-thread that reads the reply gets it within a write, not the interpreter's switch
-interval (5 ms) per thread that keeps it busy. The flusher keeps it: it reads the
-replies itself.
+the writer two context switches); ``sendall`` writes the rest. Only while no other
+thread waits: while one waits for a reply (a method's, a confirm's) or for its turn to
+write, every write lets go of the lock, so the thread that reads the reply, or the
+next in the turns, gets it within a write rather than at the interpreter's switch
+interval (5 ms) behind each thread that keeps it busy. The flusher always keeps it: it
+reads the replies itself.
 """
 
 from __future__ import annotations
@@ -186,6 +187,9 @@ class Writer:
         self._sock = sock
         self._send_at_once = send_at_once(sock)
         self._waiters = waiters
+        # One item per thread in _await_turn (appended and popped by it: a count that
+        # needs no lock), so a write knows whether other threads wait for theirs.
+        self._turn_waiters: deque[None] = deque()
         self._on_error = on_error
         # Guards _queue, _leading, _error, _yielded and every message's state (written;
         # _leading and _error are also read without it). Held to queue, take or remove a
@@ -289,7 +293,11 @@ class Writer:
             elif message.state == _FAILED:
                 self._wake_owed(message)
             elif block:
-                self._await_turn(message, deadline)
+                self._turn_waiters.append(None)
+                try:
+                    self._await_turn(message, deadline)
+                finally:
+                    self._turn_waiters.pop()
         except BaseException:
             self._withdraw(message, deadline)
             raise
@@ -731,7 +739,8 @@ class Writer:
             try:
                 if deadline is None:
                     at_once = self._send_at_once
-                    sent = at_once(payload) if at_once and not self._waiters else 0
+                    keep = not self._waiters and not self._turn_waiters
+                    sent = at_once(payload) if at_once and keep else 0
                     if sent < len(payload):
                         sock.sendall(payload[sent:] if sent else payload)
                 else:
