@@ -527,9 +527,11 @@ def interrupt_wait_of(
 
 
 def assert_idle_and_working(writer: Writer, sock: FakeSocket) -> None:
-    """Nobody holds the lead, and a new send is written at once."""
+    """Nobody holds the lead, nobody is counted as waiting for a turn, and a new send is
+    written at once."""
     assert not writer.busy, "the lead was orphaned"
     assert not writer._queue  # noqa: SLF001 - the queue is the point under test
+    assert not writer._turn_waiters, "a thread that left is still counted as waiting"
     sender_thread, outcome = sender(writer, b"Z", "after")
     sender_thread.join(JOIN)
     assert outcome == ["ok"], outcome
