@@ -10,7 +10,7 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -50,12 +50,18 @@ def receive(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
+def at_once(sock: socket.socket) -> Callable[[bytes | memoryview], int]:
+    """``send_at_once(sock)``, which a plain socket here always has."""
+    send = send_at_once(sock)
+    assert send is not None
+    return send
+
+
 def test_a_small_write_is_taken_whole_and_arrives_in_order(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     sender, receiver = pair
-    send = send_at_once(sender)
-    assert send is not None
+    send = at_once(sender)
     assert send(b"first ") == 6
     assert send(memoryview(b"xsecondx")[1:-1]) == 6
     assert receive(receiver, 12) == b"first second"
@@ -65,8 +71,7 @@ def test_a_write_larger_than_its_limit_is_left_to_sendall(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     sender, receiver = pair
-    send = send_at_once(sender)
-    assert send is not None
+    send = at_once(sender)
     assert send(b"x" * (MAX_AT_ONCE + 1)) == 0
     sender.sendall(b"end")
     assert receive(receiver, 3) == b"end"  # nothing of the large write went out
@@ -77,8 +82,7 @@ def test_it_never_blocks_and_takes_nothing_once_the_socket_is_full(
 ) -> None:
     sender, receiver = pair
     sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    send = send_at_once(sender)
-    assert send is not None
+    send = at_once(sender)
     chunk = bytes(range(256)) * 16
     taken = 0
     while (n := send(chunk)) == len(chunk):  # the receiver does not read: it fills up
@@ -98,8 +102,7 @@ def test_a_failed_send_takes_nothing_and_the_sockets_own_call_raises_the_error(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     sender, _ = pair
-    send = send_at_once(sender)
-    assert send is not None
+    send = at_once(sender)
     sender.shutdown(socket.SHUT_WR)
     assert send(b"late") == 0
     with pytest.raises(BrokenPipeError):
