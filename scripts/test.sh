@@ -63,43 +63,71 @@ checks() {
 }
 
 # The version matrix (Python 3.10 with amqp 5.2.0, kombu 5.3.0, celery 5.3.0; Python 3.13
-# with the latest) on the wheel the checks built, both sessions at once, then the peer
-# suites: py-amqp's and kombu's integration suites, stock and with the drainer injected.
+# with the latest) on the wheel the checks built, both sessions at once; after the newest,
+# the peer suites (py-amqp's and kombu's integration suites, stock and with the drainer
+# injected); after the oldest, the cluster tests (when the suite is run whole), which
+# mostly wait for RabbitMQ nodes of their own to boot, stop and fail over.
 beside_the_suite() {
   local wheel status=0
   wheel=$(ls "$PWD"/dist/*.whl)
-  DRAINER_WHEEL="$wheel" .venv/bin/nox --no-color -s oldest >"$logs/matrix-oldest.log" 2>&1 &
+  (
+    matrix_session oldest "$wheel" || status=1
+    [ "$cluster_beside" = 0 ] || cluster_tests || status=1
+    exit "$status"
+  ) &
   local oldest=$!
-  DRAINER_WHEEL="$wheel" .venv/bin/nox --no-color -s newest >"$logs/matrix-newest.log" 2>&1 &
+  (
+    matrix_session newest "$wheel" || status=1
+    bash scripts/peer-suites.sh || status=1
+    exit "$status"
+  ) &
   local newest=$!
-  for session in oldest newest; do
-    if wait "${!session}"; then
-      grep -E '^3\.[0-9]+\.[0-9]+ amqp|passed|Session' "$logs/matrix-$session.log"
-    else
-      status=1
-      cat "$logs/matrix-$session.log"
-    fi
-  done
-  bash scripts/peer-suites.sh || status=1
+  wait "$oldest" || status=1
+  wait "$newest" || status=1
   return "$status"
+}
+
+# matrix_session NAME WHEEL: one nox session; its closing lines, or all of it on failure.
+matrix_session() {
+  local log=$logs/matrix-$1.log
+  if DRAINER_WHEEL="$2" .venv/bin/nox --no-color -s "$1" >"$log" 2>&1; then
+    grep -E '^3\.[0-9]+\.[0-9]+ amqp|passed|Session' "$log"
+  else
+    cat "$log"
+    return 1
+  fi
+}
+
+cluster_tests() {
+  local log=$logs/cluster.log
+  if .venv/bin/python -m pytest -q tests/test_cluster.py >"$log" 2>&1; then
+    grep -E 'passed' "$log" | sed 's/^/cluster tests: /'
+  else
+    cat "$log"
+    return 1
+  fi
 }
 
 step "install (.venv, the project and its test extras)" 40 install install
 [ ${#failed[@]} = 0 ] || exit 1
 step "ruff, mypy, the docs build, the package check" 15 checks checks
 
-# The suite in the foreground; the matrix and the peer suites beside it.
-echo "== beside the suite: the version matrix, then the peer suites (log: $logs/beside.log)"
+# The suite in the foreground; the matrix, the peer suites and (unless the suite was
+# given arguments) the cluster tests beside it.
+cluster_beside=$([ $# = 0 ] && echo 1 || echo 0)
+skip_cluster=()
+[ "$cluster_beside" = 0 ] || skip_cluster=(--ignore=tests/test_cluster.py)
+echo "== beside the suite: the version matrix, the peer suites, the cluster tests (log: $logs/beside.log)"
 beside_start=$(date +%s)
 beside_the_suite >"$logs/beside.log" 2>&1 &
 beside=$!
-step "the test suite (the matrix and the peer suites run beside it)" 400 suite \
-  .venv/bin/python -m pytest -q --durations=25 "$@"
+step "the test suite (the rest runs beside it)" 340 suite \
+  .venv/bin/python -m pytest -q --durations=25 "${skip_cluster[@]}" "$@"
 if kill -0 "$beside" 2>/dev/null; then
-  echo "== waiting for the version matrix and the peer suites"
+  echo "== waiting for the version matrix, the peer suites and the cluster tests"
 fi
 wait "$beside"
-report "the version matrix and the peer suites" $? "$logs/beside.log" "$beside_start"
+report "the version matrix, the peer suites and the cluster tests" $? "$logs/beside.log" "$beside_start"
 
 # Not here, each checking only what the suite already bounds: F (failover) and J
 # (quorum confirms) start a cluster of their own (tests/test_cluster.py runs the failover

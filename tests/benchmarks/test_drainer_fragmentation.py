@@ -1,9 +1,9 @@
 """Benchmark 5: a near-frame_max message trickling in, in small slices.
 
 A 130,000-byte body (one body frame: frame_max is 131,072) is delivered to a consumer
-through the test proxy with two toxics on the downstream: ``bandwidth`` (16 KB/s) then
-``slicer`` (512-byte pieces, 1 ms apart), added after the consumer is registered so
-the handshake is fast. About 8 s per delivery.
+through the test proxy with two toxics on the downstream: ``bandwidth`` (16 KB/s; 64 in
+quick mode) then ``slicer`` (512-byte pieces, 1 ms apart), added after the consumer is
+registered so the handshake is fast. About 8 s per delivery (2 s in quick mode).
 
 Checked: the message arrives whole (byte-for-byte) every time.
 Measured (psutil, per-thread user + system CPU time over the delivery window, from
@@ -27,13 +27,14 @@ from support.broker import BROKER_HOST, unique_name, wait_until
 from support.threads import Drain
 from support.toxiproxy.fixtures import ProxiedBroker
 
-from benchmarks import blocked_in, connect, interleaved
+from benchmarks import QUICK, blocked_in, connect, interleaved
 from benchmarks.report import Collector, Section, Target
 
 pytestmark = pytest.mark.benchmark
 
 BODY_SIZE = 130_000
-DELIVERIES = 1  # per mode (each takes about 8 s)
+DELIVERIES = 1  # per mode (each takes about BODY_SIZE / RATE)
+RATE = 64 if QUICK else 16  # KB/s, the bandwidth toxic's rate
 DELIVERY_TIMEOUT = 60.0
 DRAINER_CPU_TARGET = 0.005
 
@@ -86,7 +87,7 @@ def deliver_once(mode: str, proxied: ProxiedBroker, body: bytes) -> Delivery:
         consumer = drain.thread
         assert wait_until(lambda: blocked_in(consumer, {"drain_events"}), 5)
         proxied.proxy.add_toxic(
-            name="bandwidth", type="bandwidth", stream="downstream", attributes={"rate": 16}
+            name="bandwidth", type="bandwidth", stream="downstream", attributes={"rate": RATE}
         )
         proxied.proxy.add_toxic(
             name="slicer",
@@ -168,7 +169,7 @@ def test_fragmented_large_message(proxied_broker: ProxiedBroker, bench_report: C
     ]
     section = Section(
         key="fragmentation",
-        title="5. 130,000-byte message through bandwidth 16 KB/s + slicer 512 B / 1 ms",
+        title=f"5. 130,000-byte message through bandwidth {RATE} KB/s + slicer 512 B / 1 ms",
         headers=[
             "mode",
             "whole",
@@ -182,11 +183,12 @@ def test_fragmented_large_message(proxied_broker: ProxiedBroker, bench_report: C
         targets=targets,
         notes=[
             f"{DELIVERIES} deliveries per mode, interleaved; a fresh connection and queue "
-            "each. Toxics on the downstream, added after basic_consume: bandwidth rate 16 "
+            f"each. Toxics on the downstream, added after basic_consume: bandwidth rate {RATE} "
             "(KB/s), then slicer average_size 512, size_variation 0, delay 1000 us.",
             "CPU ratio = (user + system CPU time of the thread over the delivery window) / "
             "window, from psutil.Process().threads() (clock-tick resolution: 10 ms, i.e. "
-            "0.0012 over 8 s), and from the thread's POSIX CPU clock "
+            f"{0.01 * RATE * 1000 / BODY_SIZE:.4f} over {BODY_SIZE / 1000 / RATE:.0f} s), and "
+            "from the thread's POSIX CPU clock "
             "(time.pthread_getcpuclockid, ns resolution). Reader thread = the drainer "
             "thread in drainer mode, the consumer thread (which reads the socket itself) "
             "in legacy mode. The target is checked against the larger of the two.",
