@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Create the environment and run the tests (the README's second command; CI runs it), in
 # steps: the install; lint, types, the docs build and the package check; the test suite,
-# with the version matrix (noxfile.py) and then py-amqp's and kombu's own suites beside
-# it (they mostly wait on the broker); last the benchmarks in quick mode, alone, so that
-# their hard bounds and deadlock checks hold on every change. Each step says what it is,
-# how long it usually takes on 2 cores and how long is left; its output goes to
+# with the version matrix (noxfile.py), py-amqp's and kombu's own suites and the cluster
+# tests beside it (they mostly wait on brokers); last the benchmarks in quick mode, alone,
+# so that their hard bounds and deadlock checks hold on every change. Each step says what
+# it is, how long it usually takes on 2 cores and how long is left; its output goes to
 # .test-logs/STEP.log, its closing lines to the screen (all of it when it fails). Extra
-# arguments go to the test suite's pytest.
+# arguments go to the test suite's pytest (the cluster tests then run in it, if chosen).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=$PWD/.test-logs
 rm -rf "$logs" && mkdir -p "$logs"
 begun=$(date +%s)
-left=535 # seconds the steps below usually take in all; each one subtracts its own
+left=470 # seconds the steps below usually take in all; each one subtracts its own
 failed=()
 
 # step NAME USUAL LOG COMMAND...: run COMMAND, its output to LOG; say when it overruns.
@@ -138,7 +138,7 @@ report "the version matrix, the peer suites and the cluster tests" $? "$logs/bes
 # delivery arrives (test_kombu, test_promises: consumers in both modes); L (a Celery
 # worker) that every task runs once (test_celery: both pools, real workers). bash
 # scripts/bench.sh runs them all.
-step "the benchmarks, quick mode (hard bounds only)" 80 benchmarks \
+step "the benchmarks, quick mode (hard bounds only)" 70 benchmarks \
   env DRAINER_BENCH_QUICK=1 .venv/bin/python -m pytest -q --durations=5 tests/benchmarks \
   -m benchmark -o python_files='test_*.py bench_*.py' \
   --ignore=tests/benchmarks/bench_failover.py --ignore=tests/benchmarks/bench_quorum.py \
