@@ -11,8 +11,9 @@
   <drainer_amqp.writer.Writer.flush>`, deferred publishes), without blocking: while the
   socket does not take it all, it also waits in ``select`` for the socket to be writable.
 * It never runs user code, but for the done callbacks of deferred publishes' futures,
-  which run where the future settles. While the inbox is full (``sink.reading_paused()``) it stops
-  reading, so TCP back-pressure reaches the broker; :meth:`Drainer.wake` resumes it.
+  which run where the future settles. While the inbox is full
+  (``sink.reading_paused()``) it stops reading, so TCP back-pressure reaches the broker;
+  :meth:`Drainer.wake` resumes it.
 * :meth:`Drainer.stop` wakes the ``select`` at once; the thread exits and reports to
   ``sink.drainer_exited``. It holds its connection weakly: a connection dropped without
   ``close()`` is collected as a stock one is, and its thread then exits and closes the
