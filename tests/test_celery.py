@@ -236,7 +236,15 @@ class Worker:
             code: int | None = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             code = None
+            self.dump_stacks()
         return code, time.perf_counter() - start
+
+    def dump_stacks(self) -> None:
+        """Have the worker's main process log each thread's stack (Celery's SIGUSR1
+        handler), for the log of a worker that did not stop in time."""
+        with suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGUSR1)
+        wait_until(lambda: "LOCAL VARIABLES" in self.log(), 5.0)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
