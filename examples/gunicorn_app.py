@@ -11,12 +11,15 @@ drain timeout, so a request's publish may wait up to 1 s; in drainer mode
 (``DRAINER_MODE=drainer``, the default) the drainer thread reads the socket and
 publishes never wait behind the consumer.
 
-For comparison (the benchmarks use them), three more modes:
+For comparison (the benchmarks use them), four more modes:
 
 * ``stock-lock``: a stock kombu connection (kombu's pyamqp transport) shared behind one
   ``threading.RLock``, held around each publish (with its confirm wait, if any) and around
   each of the consumer's reads; the consumer reads for at most ``LOCKED_DRAIN_TIMEOUT`` at
   a time, so a publish waits at most that long behind it;
+* ``per-thread``: a stock kombu connection per request thread (each thread reads its own
+  confirms on its own socket: nothing shared, no hand-over between threads), and the
+  consumer thread on one more;
 * ``amqpstorm``: one amqpstorm connection (its own IO thread), a channel per request
   thread with ``confirm_deliveries()`` (without it when ``APP_CONFIRMS=0``), and a
   consumer thread in ``start_consuming()``;
@@ -29,7 +32,8 @@ Run (from the repository root)::
 
 Environment:
 
-``DRAINER_MODE``  ``drainer`` (default), ``legacy``, ``stock-lock``, ``amqpstorm`` or ``none``.
+``DRAINER_MODE``  ``drainer`` (default), ``legacy``, ``stock-lock``, ``per-thread``,
+                  ``amqpstorm`` or ``none``.
 ``AMQP_URL``      broker URL (default ``amqp://guest:guest@127.0.0.1:5672//``).
 ``APP_QUEUE``     queue the requests publish to; declared on start, never deleted here.
 ``APP_CONFIRMS``  ``1`` (default): each publish waits for its publisher confirm, so a
@@ -67,7 +71,7 @@ import drainer_amqp
 
 logger = logging.getLogger("gunicorn_app")
 
-MODES = ("drainer", "legacy", "stock-lock", "amqpstorm", "none")
+MODES = ("drainer", "legacy", "stock-lock", "per-thread", "amqpstorm", "none")
 MODE = os.environ.get("DRAINER_MODE", "drainer")
 if MODE not in MODES:
     raise ValueError(f"DRAINER_MODE must be one of {MODES}, not {MODE!r}")
@@ -84,7 +88,7 @@ HEARTBEAT = 10
 
 def connect(role: str) -> kombu.Connection:
     """A kombu connection, connected, the work queue declared: on drainer-amqp's
-    transport, or kombu's stock one in ``stock-lock`` mode.
+    transport, or kombu's stock one in ``stock-lock`` and ``per-thread`` modes.
 
     Publishes are confirmed (``confirm_publish``) unless ``APP_CONFIRMS=0``: a request
     answers ``200`` only once the broker has the message. The connection is named after
@@ -94,7 +98,7 @@ def connect(role: str) -> kombu.Connection:
         "confirm_publish": CONFIRMS,
         "client_properties": {"connection_name": f"{QUEUE}:{role}:{os.getpid()}"},
     }
-    if MODE == "stock-lock":
+    if MODE in ("stock-lock", "per-thread"):
         conn = kombu.Connection(AMQP_URL, transport_options=options, heartbeat=HEARTBEAT)
     else:
         options["dedicated_drainer"] = MODE == "drainer"
@@ -122,7 +126,9 @@ class ProcessState:
 
     Created lazily by the first request of each process (so it is safe with gunicorn's
     ``--preload``: nothing made before the fork is used after it). In ``stock-lock``
-    mode ``self.lock`` serialises every use of the connection."""
+    mode ``self.lock`` serialises every use of the connection; in ``per-thread`` mode
+    ``self.conn`` is the consumer thread's alone, and each request thread publishes on
+    a connection of its own."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -132,6 +138,8 @@ class ProcessState:
         )
         self.drain_timeout = LOCKED_DRAIN_TIMEOUT if MODE == "stock-lock" else DRAIN_TIMEOUT
         self.local = threading.local()
+        self.own_conns: list[kombu.Connection] = []  # per-thread mode: to release at exit
+        self._own_conns_lock = threading.Lock()  # guards own_conns
         self.stopping = threading.Event()
         self.events_received = 0
         events = Queue(
@@ -171,8 +179,14 @@ class ProcessState:
         """This request thread's producer, on a channel of its own."""
         producer = getattr(self.local, "producer", None)
         if producer is None:
-            with self.lock:
-                producer = Producer(self.conn.channel())
+            if MODE == "per-thread":
+                conn = connect(f"thread-{threading.get_ident()}")
+                with self._own_conns_lock:
+                    self.own_conns.append(conn)
+                producer = Producer(conn.channel())
+            else:
+                with self.lock:
+                    producer = Producer(self.conn.channel())
             self.local.producer = producer
         return producer
 
@@ -204,6 +218,10 @@ class ProcessState:
             logger.debug("close failed", exc_info=True)
         self.consumer_thread.join(DRAIN_TIMEOUT + 5)
         self.conn.release()
+        with self._own_conns_lock:
+            own = list(self.own_conns)
+        for conn in own:  # per-thread mode: the request threads' connections
+            conn.release()
 
 
 class AmqpstormState:

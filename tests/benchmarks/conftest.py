@@ -115,7 +115,7 @@ USUAL = {
     "bench_consume.py::test_consume": 27,
     "bench_cost.py::test_cost_per_message": 44,
     "bench_failover.py::test_failover_time": 146,
-    "bench_gunicorn.py::test_gunicorn_gthread_against_other_clients": 55,
+    "bench_gunicorn.py::test_gunicorn_gthread_against_other_clients": 67,
     "bench_quorum.py::test_quorum_confirms": 70,
     "bench_recovery_latency.py::test_error_propagation_reset_peer": 3,
     "bench_resources.py::test_idle_connections": 2,
