@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import os
+import signal
 import ssl
 import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from time import monotonic
+from typing import Any
 
 import amqp
+import kombu
 import pytest
 import trustme
 from support.broker import BROKER_HOST, unique_name, wait_until
+from support.publishing import queue_bodies
 from support.relays import relay
 from support.threads import CallCounter
 
 import drainer_amqp
-from drainer_amqp import ConnectionLost, MalformedFrame
+from drainer_amqp import ConnectionLost, MalformedFrame, deferred, transport
 from drainer_amqp.drainer import CHECK_CLOSED
 
 JOIN = 15.0
@@ -255,3 +259,92 @@ def test_fork_leaves_the_child_a_clear_error_and_the_parent_untouched(direct, qu
     while (message := channel.basic_get(queue, no_ack=True)) is not None:
         bodies.append(message.body)
     assert sorted(bodies) == [b"child", b"parent"]
+
+
+#: Locks that a thread of the parent other than the forking one may hold at the fork
+#: (the drainer thread settling confirms or queueing deliveries for an event loop, a
+#: publisher, a reconnect), and that the child takes as it forgets the inherited
+#: connection or opens a new one.
+FORK_HELD_LOCKS: dict[str, Callable[[Any, Any, kombu.Connection], Any]] = {
+    "the inbox's event-loop pipe": lambda conn, channel, client: conn.inbox.signal()._lock,
+    "the drainer's wake-up pipe": lambda conn, channel, client: conn.reader._wake._lock,
+    "a channel's confirms": lambda conn, channel, client: channel.confirms._lock,
+    "the waiters": lambda conn, channel, client: conn.waiters._lock,
+    "the inbox": lambda conn, channel, client: conn.inbox._lock,
+    "the futures' lock": lambda conn, channel, client: deferred._CHOOSING,
+    "the transport's registry": lambda conn, channel, client: transport._live_lock,
+    "a kombu connection's reconnect lock": (
+        lambda conn, channel, client: transport._reconnect_locks[client]
+    ),
+}
+
+
+@pytest.mark.parametrize("held", sorted(FORK_HELD_LOCKS))
+def test_fork_while_another_thread_holds_a_lock_leaves_the_child_working(
+    direct: drainer_amqp.Connection, queue: str, held: str
+) -> None:
+    """A Celery prefork pool forks children while the parent's drainer thread works: a
+    lock that thread held at the fork stays held in the child, whose thread is gone. The
+    child must neither hang in the fork hook nor later, when it closes what it inherited
+    or connects anew."""
+    channel = direct.channel()
+    channel.confirm_select()
+    client = kombu.Connection(
+        f"amqp://guest:guest@{BROKER_HOST}//",
+        transport="drainer_amqp:Transport",
+        transport_options={"dedicated_drainer": True, "confirm_publish": True},
+    )
+    client.ensure_connection(max_retries=1)
+    lock = FORK_HELD_LOCKS[held](direct, channel, client)
+    taken, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            taken.set()
+            let_go.wait(JOIN)
+
+    holder = threading.Thread(target=hold, name="lock-holder")
+    holder.start()
+    try:
+        assert taken.wait(JOIN)
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest; the exit code says where
+            code = 10
+            try:
+                with pytest.raises(ConnectionLost):
+                    channel.basic_publish_confirm(amqp.Message(b"inherited"), routing_key=queue)
+                code = 11
+                direct.close()
+                code = 12
+                client.ensure_connection(max_retries=1)  # reconnects: the link is the parent's
+                client.default_channel.basic_publish(amqp.Message(b"kombu"), "", queue)
+                client.release()
+                code = 13
+                fresh = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=True)
+                fresh.connect()
+                future = fresh.channel().basic_publish_deferred(
+                    amqp.Message(b"deferred"), routing_key=queue
+                )
+                assert future.result(JOIN) is True
+                fresh.close()
+                code = 0
+            finally:
+                os._exit(code)
+        status: list[int] = []
+
+        def child_done() -> bool:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status.append(os.waitstatus_to_exitcode(code))
+            return bool(status)
+
+        if not wait_until(child_done, JOIN):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the child hung, holding {held} inherited")
+        assert status == [0], f"the child failed at step {status[0]}"
+    finally:
+        let_go.set()
+        holder.join(JOIN)
+        client.release()
+    assert sorted(queue_bodies(queue)) == [b"deferred", b"kombu"]

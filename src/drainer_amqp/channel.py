@@ -269,6 +269,12 @@ class Channel(pyamqp.Channel):
         if getattr(connection, "confirm_publish", None) == "deferred":
             self.basic_publish = self.basic_publish_deferred  # type: ignore[method-assign, assignment]
 
+    def after_fork(self) -> None:
+        """In a forked child: the threads that used this channel, and the locks they may
+        have held, are the parent's."""
+        self._close_lock = threading.Lock()
+        self._confirm_lock = threading.Lock()
+
     def _live_conn(self) -> ChannelConnection:
         """The connection; on a closed channel, raises the reason its connection ended
         (after ``close()``, ``ConnectionClosedIntentionally``: kombu does not reconnect),

@@ -655,10 +655,13 @@ class Connection(amqp.Connection):
         connection through the one end path, and close this process's copy of the
         descriptor without a shutdown (that would end the parent's link too)."""
         self._init_locks()
-        self.waiters.reset()
+        for channel in list((self.channels or {}).values()):
+            if isinstance(channel, Channel):
+                channel.after_fork()
+        self.waiters.reset()  # and every channel's confirms
         self.inbox.reset()
         self.unconfirmed = Window(self.unconfirmed.size)  # its lock may be held by a parent thread
-        self.reader.close()  # a drainer's thread does not exist here; its pipe does
+        self.reader.after_fork()  # a drainer's thread does not exist here; its pipe does
         self.writer = None  # its lock may be held by a parent thread that is gone
         self._close_socket(monotonic(), shutdown=False)  # before end(), which shuts it down
         inherited = f"connection to {self.host} was inherited by a forked process; reconnect"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -77,6 +78,14 @@ _DONE_STATES = frozenset(("CANCELLED", "CANCELLED_AND_NOTIFIED", _FINISHED))
 #: it has settled unwatched. Taken by the thread that settles a future, and by the first
 #: watcher of one; held for a few assignments, never with another lock.
 _CHOOSING = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _CHOOSING
+    _CHOOSING = threading.Lock()  # a parent thread may have held it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ConfirmFuture(concurrent.futures.Future):  # type: ignore[type-arg]

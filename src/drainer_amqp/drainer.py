@@ -186,10 +186,17 @@ class Drainer:
         return not self.thread.is_alive()
 
     def close(self) -> None:
-        """Release the wake-up pair. The thread does it as it exits; a forked child,
-        which has no thread, does it itself. A later :meth:`wake` is a no-op."""
+        """Release the wake-up pair (the thread does, as it exits). A later :meth:`wake`
+        is a no-op."""
         if self._wake is not None:
             self._wake.close()
+
+    def after_fork(self) -> None:
+        self._reading = threading.Lock()
+        self._watch_lock = threading.Lock()
+        if self._wake is not None:
+            self._wake.after_fork()
+        self.close()
 
     def stats(self) -> dict[str, float | int | bool]:
         running = self.thread is not None and self.thread.is_alive()

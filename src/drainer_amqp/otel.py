@@ -14,6 +14,7 @@ live connection counted since the previous one. See docs/metrics.md.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -121,6 +122,7 @@ class DrainerMetrics:
         )
         self._totals: dict[tuple[str, _Key], float] = {}
         self._active = True
+        _instruments.add(self)
         for name, unit, description, read in _GAUGES:
             meter.create_observable_gauge(name, [self._gauge(read)], unit, description)
         for name, unit, description, stats in _COUNTERS:
@@ -175,6 +177,18 @@ class DrainerMetrics:
             return [Observation(v, {**dict(k), **extra}) for k, v in found]
 
         return observe
+
+
+#: Every DrainerMetrics made, for the fork hook.
+_instruments: weakref.WeakSet[DrainerMetrics] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for instruments in list(_instruments):
+        instruments._lock = threading.Lock()  # the collecting thread may have held it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _record_confirm(histogram: Histogram, seconds: float, acked: bool) -> None:

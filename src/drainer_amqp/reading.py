@@ -63,8 +63,9 @@ class Reader(Protocol):
     def stop(self, timeout: float) -> bool:
         """Stop reading; whether that happened within ``timeout`` seconds."""
 
-    def close(self) -> None:
-        """In a forked child: release what the parent's reader left here."""
+    def after_fork(self) -> None:
+        """In a forked child: release what the parent's reader left here (its thread,
+        and the locks that thread may have held, are not here)."""
 
     def stats(self) -> dict[str, float | int | bool]: ...
 
@@ -121,7 +122,7 @@ class LegacyReader:
     def stop(self, timeout: float) -> bool:
         return True
 
-    def close(self) -> None:
+    def after_fork(self) -> None:
         pass
 
     def stats(self) -> dict[str, float | int | bool]:

@@ -141,6 +141,10 @@ class SelfPipe:
             self._r.close()
             self._w.close()
 
+    def after_fork(self) -> None:
+        """In a forked child: the thread that may have held the lock is not here."""
+        self._lock = threading.Lock()
+
 
 class FairRLock:
     """``threading.RLock``'s interface; ``release()`` passes ownership to the

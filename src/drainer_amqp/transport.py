@@ -24,6 +24,7 @@ The threading contract: docs/threading.md.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import weakref
@@ -56,6 +57,15 @@ _live_lock = threading.Lock()  # guards _live and _reconnect_locks
 #: value would keep every kombu.Connection ever connected alive.
 _live: weakref.WeakKeyDictionary[Any, weakref.ref[DrainerConnection]] = weakref.WeakKeyDictionary()
 _reconnect_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+
+
+def _after_fork_in_child() -> None:
+    global _live_lock, _reconnect_locks
+    _live_lock = threading.Lock()  # a parent thread may have held it, or a reconnect lock
+    _reconnect_locks = weakref.WeakKeyDictionary()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Transport(pyamqp.Transport):

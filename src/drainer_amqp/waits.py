@@ -69,9 +69,12 @@ class Waiters:
             pending.fail_all(None)
 
     def reset(self) -> None:
-        """After a fork: the parent's waiters do not exist in this process."""
+        """After a fork: the parent's waiters do not exist in this process, nor do the
+        threads that may have held a lock here."""
         self._lock = threading.Lock()
         self._waiting = set()
+        for confirms in list(self._confirms):
+            confirms.after_fork()
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -106,6 +109,13 @@ class Confirms:
         for waiter in waiting.values():
             self._waiters.discard(waiter)
             waiter.fail()
+
+    def after_fork(self) -> None:
+        """In a forked child: the waits are the parent's threads' (a deferred publish's
+        future would run its done callbacks here), as is the lock."""
+        self._lock = threading.Lock()
+        self._waiting = {}
+        self._returnable = {}
 
     def number(self, waiter: Waiter | None, returnable: Hashable = None) -> int:
         """Give the next publish its delivery tag; ``waiter`` (if any) waits for its ack;
@@ -340,6 +350,8 @@ class Inbox:
         self._sleepers = 0
         self._run_lock = threading.RLock()
         self._items.clear()
+        if self._signal is not None:
+            self._signal.after_fork()
 
     def __len__(self) -> int:
         return len(self._items)
