@@ -167,6 +167,18 @@ def _consume_task_ids(broker_url: str, queue: str, expected: int, timeout: float
     return ids
 
 
+def _process_group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (Linux ``/proc``)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_text()
+                if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+                    members.append(int(entry.name))
+    return members
+
+
 class Worker:
     """A ``celery worker`` subprocess; output in ``log_path``, probe lines in ``probe_path``."""
 
@@ -240,11 +252,14 @@ class Worker:
         return code, time.perf_counter() - start
 
     def dump_stacks(self) -> None:
-        """Have the worker's main process log each thread's stack (Celery's SIGUSR1
-        handler), for the log of a worker that did not stop in time."""
-        with suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGUSR1)
-        wait_until(lambda: "LOCAL VARIABLES" in self.log(), 5.0)
+        """Have every process of the worker write each thread's stack to the log (the
+        app's SIGUSR2 handler, which the pool's children inherit), for the log of a
+        worker that did not stop in time."""
+        for pid in _process_group(self.proc.pid):  # one at a time: their dumps interleave
+            done = self.log().count("Current thread") + 1  # once per process dump
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR2)
+            wait_until(lambda: self.log().count("Current thread") >= done, 2.0)  # noqa: B023
 
     def kill(self) -> None:
         if self.proc.poll() is None:
