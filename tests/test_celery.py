@@ -24,6 +24,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import billiard.pool
 import kombu
 import kombu.pools
 import pytest
@@ -46,7 +47,15 @@ from drainer_amqp.connection import DRAINER_HEARTBEAT
 TESTS_DIR = Path(__file__).resolve().parent
 DRAINER_OPTIONS = {"dedicated_drainer": True}
 RESULT_TIMEOUT = 60.0  # generous: 2 cores, the broker takes one
-SHUTDOWN_TIMEOUT = 20.0
+#: A warm shutdown's bound. A prefork child that ran its last task waits, before it exits,
+#: until the parent has counted that task's result (billiard's ``_ensure_messages_consumed``,
+#: up to 30 s): seen about once in a hundred runs under load, the parent in its pool's
+#: ``join()``, the child in that wait, this library's threads idle; a shutdown then takes
+#: that whole wait.
+_CHILD_EXIT_WAIT = getattr(billiard.pool, "GUARANTEE_MESSAGE_CONSUMPTION_RETRY_LIMIT", 0) * getattr(
+    billiard.pool, "GUARANTEE_MESSAGE_CONSUMPTION_RETRY_INTERVAL", 0.0
+)
+SHUTDOWN_TIMEOUT = 20.0 + _CHILD_EXIT_WAIT
 #: The Hub's thread reads the socket itself from kombu 5.7, whose Hub wakes for
 #: callbacks other threads schedule (drainer_amqp.transport).
 HUB_READS = tuple(kombu.VERSION[:2]) >= (5, 7)
