@@ -19,7 +19,7 @@ For comparison (the benchmarks use them), four more modes:
   a time, so a publish waits at most that long behind it;
 * ``per-thread``: a stock kombu connection per request thread (each thread reads its own
   confirms on its own socket: nothing shared, no hand-over between threads), and the
-  consumer thread on one more;
+  consumer thread on one more, read as in ``stock-lock`` under a lock only the exit takes;
 * ``amqpstorm``: one amqpstorm connection (its own IO thread), a channel per request
   thread with ``confirm_deliveries()`` (without it when ``APP_CONFIRMS=0``), and a
   consumer thread in ``start_consuming()``;
@@ -136,7 +136,12 @@ class ProcessState:
         self.lock: contextlib.AbstractContextManager[Any] = (
             threading.RLock() if MODE == "stock-lock" else contextlib.nullcontext()
         )
-        self.drain_timeout = LOCKED_DRAIN_TIMEOUT if MODE == "stock-lock" else DRAIN_TIMEOUT
+        # Guards the consumer's reads and close(): a stock connection must not be closed
+        # under another thread's read. In per-thread mode the consumer's connection is
+        # its own, and the request threads' are theirs.
+        self.consumer_lock = threading.RLock() if MODE == "per-thread" else self.lock
+        stock = MODE in ("stock-lock", "per-thread")
+        self.drain_timeout = LOCKED_DRAIN_TIMEOUT if stock else DRAIN_TIMEOUT
         self.local = threading.local()
         self.own_conns: list[kombu.Connection] = []  # per-thread mode: to release at exit
         self._own_conns_lock = threading.Lock()  # guards own_conns
@@ -163,7 +168,7 @@ class ProcessState:
         conn = self.conn
         while not self.stopping.is_set():
             try:
-                with self.lock:
+                with self.consumer_lock:
                     conn.drain_events(timeout=self.drain_timeout)
             except TimeoutError:
                 continue
@@ -212,7 +217,7 @@ class ProcessState:
         """Stop the consumer thread and close the connection (process exit)."""
         self.stopping.set()
         try:
-            with self.lock:  # stock-lock: never close under the consumer's read
+            with self.consumer_lock:  # stock: never close under the consumer's read
                 self.conn.connection.close()  # wakes the consumer thread at once
         except Exception:  # noqa: BLE001 - best effort at exit
             logger.debug("close failed", exc_info=True)
