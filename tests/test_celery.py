@@ -47,15 +47,15 @@ from drainer_amqp.connection import DRAINER_HEARTBEAT
 TESTS_DIR = Path(__file__).resolve().parent
 DRAINER_OPTIONS = {"dedicated_drainer": True}
 RESULT_TIMEOUT = 60.0  # generous: 2 cores, the broker takes one
-#: A warm shutdown's bound. A prefork child that ran its last task waits, before it exits,
-#: until the parent has counted that task's result (billiard's ``_ensure_messages_consumed``,
-#: up to 30 s): seen about once in a hundred runs under load, the parent in its pool's
-#: ``join()``, the child in that wait, this library's threads idle; a shutdown then takes
-#: that whole wait.
-_CHILD_EXIT_WAIT = getattr(billiard.pool, "GUARANTEE_MESSAGE_CONSUMPTION_RETRY_LIMIT", 0) * getattr(
+SHUTDOWN_TIMEOUT = 20.0
+#: What a prefork pool's warm shutdown may add: a child that ran its last task waits,
+#: before it exits, until the parent has counted that task's result (billiard's
+#: ``_ensure_messages_consumed``, up to 30 s). Seen about once in a hundred runs under
+#: load: the parent in its pool's ``join()``, the child in that wait, this library's
+#: threads idle.
+CHILD_EXIT_WAIT = getattr(billiard.pool, "GUARANTEE_MESSAGE_CONSUMPTION_RETRY_LIMIT", 0) * getattr(
     billiard.pool, "GUARANTEE_MESSAGE_CONSUMPTION_RETRY_INTERVAL", 0.0
 )
-SHUTDOWN_TIMEOUT = 20.0 + _CHILD_EXIT_WAIT
 #: The Hub's thread reads the socket itself from kombu 5.7, whose Hub wakes for
 #: callbacks other threads schedule (drainer_amqp.transport).
 HUB_READS = tuple(kombu.VERSION[:2]) >= (5, 7)
@@ -430,7 +430,8 @@ def test_worker_runs_every_task_once_and_shuts_down_warm(
                 ("slow", str(markers_dir), 2.0)
             )
             assert wait_until(lambda: (markers_dir / "slow.started").exists(), RESULT_TIMEOUT)
-            code, took = worker.terminate(SHUTDOWN_TIMEOUT)
+            bound = SHUTDOWN_TIMEOUT + (CHILD_EXIT_WAIT if pool == "prefork" else 0.0)
+            code, took = worker.terminate(bound)
             assert code == 0, f"exit code {code} after {took:.1f}s\n{worker.log()}"
             assert "Warm shutdown" in worker.log()
             assert slow.get(timeout=10)["token"] == "slow"
