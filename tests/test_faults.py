@@ -261,6 +261,40 @@ def test_fork_leaves_the_child_a_clear_error_and_the_parent_untouched(direct, qu
     assert sorted(bodies) == [b"child", b"parent"]
 
 
+def test_a_future_inherited_pending_fails_in_the_child(
+    direct: drainer_amqp.Connection, queue: str
+) -> None:
+    """A deferred publish still unconfirmed at the fork: the child's copy of its future
+    fails with the inherited connection; the parent's is acked."""
+    channel = direct.channel()
+    channel.confirm_select()
+    with direct.transport_lock:  # the drainer cannot dispatch the ack meanwhile
+        future = channel.basic_publish_deferred(amqp.Message(b"pending"), routing_key=queue)
+        assert not future.done()
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            code = 1
+            try:
+                if isinstance(future.exception(JOIN), ConnectionLost):
+                    code = 0
+            finally:
+                os._exit(code)
+    status: list[int] = []
+
+    def child_done() -> bool:
+        done, code = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status.append(os.waitstatus_to_exitcode(code))
+        return bool(status)
+
+    if not wait_until(child_done, JOIN):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the child's future stayed pending")
+    assert status == [0]
+    assert future.result(JOIN) is True
+
+
 #: Locks that a thread of the parent other than the forking one may hold at the fork
 #: (the drainer thread settling confirms or queueing deliveries for an event loop, a
 #: publisher, a reconnect), and that the child takes as it forgets the inherited

@@ -111,11 +111,9 @@ class Confirms:
             waiter.fail()
 
     def after_fork(self) -> None:
-        """In a forked child: the waits are the parent's threads' (a deferred publish's
-        future would run its done callbacks here), as is the lock."""
+        """In a forked child: a parent thread may have held the lock. The waits stay, for
+        the connection's end to fail them (a future inherited pending settles)."""
         self._lock = threading.Lock()
-        self._waiting = {}
-        self._returnable = {}
 
     def number(self, waiter: Waiter | None, returnable: Hashable = None) -> int:
         """Give the next publish its delivery tag; ``waiter`` (if any) waits for its ack;
