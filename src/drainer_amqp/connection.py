@@ -655,9 +655,9 @@ class Connection(amqp.Connection):
         connection through the one end path, and close this process's copy of the
         descriptor without a shutdown (that would end the parent's link too)."""
         self._init_locks()
-        for channel in list((self.channels or {}).values()):
-            if isinstance(channel, Channel):
-                channel.after_fork()
+        channels = [c for c in (self.channels or {}).values() if isinstance(c, Channel)]
+        for channel in channels:
+            channel.after_fork()
         self.waiters.reset()  # and every channel's confirms
         self.inbox.reset()
         self.unconfirmed = Window(self.unconfirmed.size)  # its lock may be held by a parent thread
@@ -666,6 +666,9 @@ class Connection(amqp.Connection):
         self._close_socket(monotonic(), shutdown=False)  # before end(), which shuts it down
         inherited = f"connection to {self.host} was inherited by a forked process; reconnect"
         self.end(ConnectionLost(f"{inherited} in the child"), monotonic())
+        for channel in channels:  # deferred publishes the dropped writer still held
+            for future in list(channel._deferred):
+                future.fail()
 
 
 #: Every open connection, for the fork and exit hooks and the metrics. Guarded by
