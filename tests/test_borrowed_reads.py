@@ -104,6 +104,39 @@ def test_a_reply_that_takes_longer_is_read_by_the_drainer_thread(
         conn.close()
 
 
+def test_a_waiter_leaves_the_reading_to_the_drainer_while_another_thread_waits(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a lone waiter borrows the socket. A borrower keeps the right to read while it
+    waits for the interpreter lock after each system call; among many threads that want
+    that lock the wait can last tens of milliseconds, and every other waiter's reply
+    waits with it. So a thread that starts to wait while another waits already sleeps,
+    and the drainer thread reads both replies."""
+    conn = connect("drainer", host=broker.hostport)
+    try:
+        seen = record_dispatching_threads(conn, monkeypatch)
+        first, second = conn.channel(), conn.channel()
+        thread_a, result_a = run_in_thread(lambda: first.queue_declare("a"), "first")
+        assert broker.wait_for(spec.Queue.Declare)
+        assert wait_until_blocked(thread_a, {"queue_declare"})  # it borrowed, then slept
+        assert conn.reader._borrows == 1  # type: ignore[attr-defined]
+        thread_b, result_b = run_in_thread(lambda: second.queue_declare("b"), "second")
+        assert broker.wait_for(spec.Queue.Declare, 2)
+        assert wait_until_blocked(thread_b, {"queue_declare"})
+        assert conn.reader._borrows == 1, "a second waiter borrowed the socket"  # type: ignore[attr-defined]
+        broker.send(method(second.channel_id, spec.Queue.DeclareOk, "sLL", ("b", 0, 0)))
+        broker.send(method(first.channel_id, *DECLARE_OK[:2], ("a", 0, 0)))
+        for thread in (thread_a, thread_b):
+            thread.join(JOIN)
+            assert not thread.is_alive()
+        assert result_a and result_a[0].queue == "a", result_a
+        assert result_b and result_b[0].queue == "b", result_b
+        readers = {name for name, sigs in seen if spec.Queue.DeclareOk in sigs}
+        assert readers and all(name.startswith("drainer-amqp-") for name in readers), seen
+    finally:
+        conn.close()
+
+
 def test_a_bad_frame_a_borrower_reads_fails_every_waiter(
     broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -113,9 +146,10 @@ def test_a_bad_frame_a_borrower_reads_fails_every_waiter(
         first, second = conn.channel(), conn.channel()
         borrower, borrowed = run_in_thread(lambda: first.queue_declare("a"), "borrower")
         assert broker.wait_for(spec.Queue.Declare)
+        assert wait_for_lent(conn)  # before another waits: only a lone waiter borrows
         sleeper, slept = run_in_thread(lambda: second.queue_declare("b"), "sleeper")
         assert broker.wait_for(spec.Queue.Declare, 2)
-        assert wait_for_lent(conn)
+        assert conn.reader._lent  # type: ignore[attr-defined]
         sent = broker.send(frame(1, 0, b"\x00\x0a", end=0x00))  # a bad frame-end byte
         for thread in (borrower, sleeper):
             thread.join(JOIN)

@@ -23,9 +23,15 @@
   right to read (``_reading``), takes the socket out of the thread's ``select``, and
   reads and dispatches frames itself, as stock py-amqp's caller does, for at most
   ``BORROW_FOR``; then it gives both back and, if its reply has not come, sleeps as any
-  waiter does. One thread switch per reply instead of two. Not the main thread (a
-  ``KeyboardInterrupt`` between a read and its dispatch would lose frames), nor TLS,
-  nor ``drain_events()``, nor while the inbox is full.
+  waiter does. One thread switch per reply instead of two. Only while no other thread
+  waits for a reply or a confirm: a borrower holds the right to read while it waits
+  for the interpreter lock after each system call, and among many threads that
+  want the lock, that wait can last tens of milliseconds, with every other waiter
+  stalled behind it (with ten threads publishing with confirms: gaps of 30-100 ms
+  without a single confirm read, and a third fewer publishes); the drainer thread reads
+  for several waiters. Not the main thread (a ``KeyboardInterrupt`` between a read and
+  its dispatch would lose frames), nor TLS, nor ``drain_events()``, nor while the inbox
+  is full.
 * **It reads deliveries a batch at a time.** While the consumer has deliveries queued
   and no thread waits for anything else (a reply, a confirm, the close), the thread
   leaves the socket unread, for at most ``DEFER_FOR``: what comes meanwhile is read in
@@ -57,6 +63,7 @@ from typing import Any, Protocol
 from .errors import CannotWaitInReadingThread, ConnectionLost, HeartbeatTimeout, MalformedFrame
 from .framing import Frame, FrameAssembler
 from .sync import Awaitable, SelfPipe
+from .waits import Waiters
 
 __all__ = ["Drainer", "DrainerStats", "DrainerSink"]
 
@@ -82,6 +89,8 @@ class DrainerSink(Protocol):
 
     @property
     def io_lock(self) -> Any: ...
+    @property
+    def waiters(self) -> Waiters: ...  # the threads that wait for a reply or a confirm
 
     def dispatch_frames(self, frames: list[Frame]) -> None: ...
     def flush_writes(self) -> bool: ...
@@ -231,6 +240,7 @@ class Drainer:
             and not self._tls
             and not self._stopping
             and threading.current_thread() is not threading.main_thread()
+            and not self._sink.waiters.besides(awaitable)  # no other thread waits
         )
 
     def _borrow(self, awaitable: Awaitable, deadline: float | None) -> bool:

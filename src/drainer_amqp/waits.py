@@ -79,6 +79,13 @@ class Waiters:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def besides(self, awaitable: object) -> int:
+        """How many threads wait here, ``awaitable``'s own left out. Read without the lock:
+        at most a moment stale, which only changes whether a waiter reads for itself
+        (``Drainer._may_borrow``)."""
+        waiting = self._waiting
+        return len(waiting) - (awaitable in waiting)
+
 
 class Confirms:
     """Publisher confirms of one channel: delivery tags in write order, each with the
