@@ -6,6 +6,9 @@ Every wait has a deadline: a lost wake-up fails these tests, never hangs them.""
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from support.broker import JOIN
 from support.threads import wait_until_blocked
@@ -76,3 +79,50 @@ def test_callbacks_run_once_in_arrival_order_from_many_threads() -> None:
     for thread in threads:
         thread.join(JOIN)
     assert ran == list(range(200))
+
+
+class _FlagsSetAtThePop(deque):  # type: ignore[type-arg]
+    """The inbox's queue, whose ``popleft()`` first runs ``hook``: the reading thread
+    sets a flag just as a take, which found none set, pops without the lock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook: Callable[[], None] = lambda: None
+
+    def popleft(self) -> Any:
+        self.hook()
+        return super().popleft()
+
+
+def test_a_take_sees_the_flags_set_as_it_pops() -> None:
+    """A take that found neither flag set pops without the lock; a flag set meanwhile
+    is still handled: the drainer, leaving the socket unread until the consumer has
+    caught up, is told when the queue empties, and reading resumes once a full queue
+    has drained to half. Missed, the drainer would stay paused (a consumer that never
+    gets another delivery)."""
+    emptied: list[bool] = []
+    inbox = Inbox(limit=2, on_empty=lambda: emptied.append(True))
+    inbox._items = items = _FlagsSetAtThePop()  # type: ignore[assignment]
+    inbox.post(None, lambda: None)
+
+    def defer() -> None:
+        inbox.wake_when_empty = True
+
+    items.hook = defer
+    assert inbox.run_one(None)
+    assert emptied == [True], "the queue emptied unseen while the drainer deferred reading"
+    assert not inbox.wake_when_empty
+
+    room: list[bool] = []
+    inbox = Inbox(limit=2, on_room=lambda: room.append(True))
+    inbox._items = items = _FlagsSetAtThePop()  # type: ignore[assignment]
+    inbox.post(None, lambda: None)
+
+    def fill() -> None:
+        items.hook = lambda: None
+        inbox.post(None, lambda: None)  # the limit: full, the drainer pauses
+        assert inbox.full
+
+    items.hook = fill
+    assert inbox.run_one(None)
+    assert room == [True] and not inbox.full, "a full queue drained to half unseen"

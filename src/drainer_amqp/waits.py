@@ -303,26 +303,46 @@ class Inbox:
                 item[1](*item[2:])
 
     def _take(self, key: Hashable | None) -> Callback | None:
-        room = empty = False
-        with self._lock:
-            items = self._items
-            if key is None:
-                item = items.popleft() if items else None
-            else:
-                item = next((i for i in items if i[0] == key), None)
-                if item is not None:
-                    items.remove(item)
-            if self.full and len(items) <= self.limit // 2:
-                self.full = False
-                room = True
-            if not items and self.wake_when_empty:
-                self.wake_when_empty = False
-                empty = True
+        items = self._items
+        if key is None and not (self.full or self.wake_when_empty):
+            # The common case, without the lock, which the reading thread takes for each
+            # callback it queues (waiting for it here cost a consumer a hand-over of the
+            # interpreter lock per delivery): popleft() is atomic, and with neither flag
+            # set a take has nothing else to do. A flag set meanwhile is seen below.
+            try:
+                item: Callback | None = items.popleft()
+            except IndexError:
+                return None
+            if not (self.full or self.wake_when_empty):
+                return item
+            with self._lock:
+                room, empty = self._after_take()
+        else:
+            with self._lock:
+                if key is None:
+                    item = items.popleft() if items else None
+                else:
+                    item = next((i for i in items if i[0] == key), None)
+                    if item is not None:
+                        items.remove(item)
+                room, empty = self._after_take()
         if room and self.on_room is not None:
             self.on_room()
         if empty and self.on_empty is not None:
             self.on_empty()
         return item
+
+    def _after_take(self) -> tuple[bool, bool]:
+        """Under the lock, after a take: whether there is room again (``full`` cleared)
+        and whether the queue emptied while ``wake_when_empty`` was set (cleared)."""
+        room = empty = False
+        if self.full and len(self._items) <= self.limit // 2:
+            self.full = False
+            room = True
+        if not self._items and self.wake_when_empty:
+            self.wake_when_empty = False
+            empty = True
+        return room, empty
 
     # -- event loops -------------------------------------------------------------------
     def signal(self) -> SelfPipe:
