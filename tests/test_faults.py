@@ -279,19 +279,7 @@ def test_a_future_inherited_pending_fails_in_the_child(
                     code = 0
             finally:
                 os._exit(code)
-    status: list[int] = []
-
-    def child_done() -> bool:
-        done, code = os.waitpid(pid, os.WNOHANG)
-        if done:
-            status.append(os.waitstatus_to_exitcode(code))
-        return bool(status)
-
-    if not wait_until(child_done, JOIN):
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the child's future stayed pending")
-    assert status == [0]
+    assert child_exit_code(pid, "the child's future stayed pending") == 0
     assert future.result(JOIN) is True
 
 
@@ -364,21 +352,28 @@ def test_fork_while_another_thread_holds_a_lock_leaves_the_child_working(
                 code = 0
             finally:
                 os._exit(code)
-        status: list[int] = []
-
-        def child_done() -> bool:
-            done, code = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status.append(os.waitstatus_to_exitcode(code))
-            return bool(status)
-
-        if not wait_until(child_done, JOIN):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail(f"the child hung, holding {held} inherited")
-        assert status == [0], f"the child failed at step {status[0]}"
+        code = child_exit_code(pid, f"the child hung, holding {held} inherited")
+        assert code == 0, f"the child failed at step {code}"
     finally:
         let_go.set()
         holder.join(JOIN)
         client.release()
     assert sorted(queue_bodies(queue)) == [b"deferred", b"kombu"]
+
+
+def child_exit_code(pid: int, hung: str) -> int:
+    """The exit code of the forked child ``pid``; the test fails with ``hung`` (the child
+    killed) if it has not exited within ``JOIN``."""
+    status: list[int] = []
+
+    def child_done() -> bool:
+        done, code = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status.append(os.waitstatus_to_exitcode(code))
+        return bool(status)
+
+    if not wait_until(child_done, JOIN):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail(hung)
+    return status[0]
