@@ -24,14 +24,12 @@
   reads and dispatches frames itself, as stock py-amqp's caller does, for at most
   ``BORROW_FOR``; then it gives both back and, if its reply has not come, sleeps as any
   waiter does. One thread switch per reply instead of two. Only while no other thread
-  waits for a reply or a confirm: a borrower holds the right to read while it waits
-  for the interpreter lock after each system call, and among many threads that
-  want the lock, that wait can last tens of milliseconds, with every other waiter
-  stalled behind it (with ten threads publishing with confirms: gaps of 30-100 ms
-  without a single confirm read, and a third fewer publishes); the drainer thread reads
-  for several waiters. Not the main thread (a ``KeyboardInterrupt`` between a read and
-  its dispatch would lose frames), nor TLS, nor ``drain_events()``, nor while the inbox
-  is full.
+  waits for a reply or a confirm: a borrower keeps the right to read while it waits for
+  the interpreter lock after each system call, and among many threads that want that
+  lock the wait can be long, with every other waiter's reply stuck behind it; the
+  drainer thread reads for several waiters. Not the main thread (a
+  ``KeyboardInterrupt`` between a read and its dispatch would lose frames), nor TLS,
+  nor ``drain_events()``, nor while the inbox is full.
 * **It reads deliveries a batch at a time.** While the consumer has deliveries queued
   and no thread waits for anything else (a reply, a confirm, the close), the thread
   leaves the socket unread, for at most ``DEFER_FOR``: what comes meanwhile is read in
