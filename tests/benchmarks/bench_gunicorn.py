@@ -55,6 +55,7 @@ from support.broker import BROKER_HOST, unique_name, wait_until
 from support.gunicorn import Gunicorn, health_by_pid
 
 from benchmarks import QUICK
+from benchmarks.cpu import broker_pid, cpu_seconds
 from benchmarks.report import Collector, Section, Target, fmt_ms, fmt_ratio, percentile, ratio
 
 # Seconds of load per run (mode, confirms or not) and round. Quick: long enough for legacy
@@ -101,12 +102,32 @@ class Run:
     p99: float
     max: float
     queued: int = 0  # messages found in the queue afterwards
+    worker_cpu: float | None = None  # CPU seconds of the worker processes over the load
+    broker_cpu: float | None = None  # CPU seconds of the broker process over the load
     extra: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)  # distinct client-side errors
 
     @property
     def rate(self) -> float:
         return self.requests / self.seconds if self.seconds else math.nan
+
+    @property
+    def worker_us(self) -> float:
+        """The worker processes' CPU µs per answered request (NaN: not measured)."""
+        return _per_request(self.worker_cpu, self.requests)
+
+    @property
+    def broker_us(self) -> float:
+        """The broker's CPU µs per answered request (NaN: not measured)."""
+        return _per_request(self.broker_cpu, self.requests)
+
+
+def _per_request(seconds: float | None, requests: int) -> float:
+    return math.nan if seconds is None or not requests else 1e6 * seconds / requests
+
+
+def _fmt_us(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:,.0f}"
 
 
 def wrk_command(port: int, script: str) -> list[str]:
@@ -256,10 +277,16 @@ def one_run(mode: str, confirms: bool | None, wrk_script: str | None) -> Run:
         health = health_by_pid(server, WORKERS)  # every worker has connected before the load
         assert all(h["confirms"] is (confirms is not False) for h in health.values()), health
         warm = message_count(queue) if mode != "none" else 0
+        watched = (list(health), [broker_pid()])
+        before = [cpu_seconds(pids) for pids in watched]
         if wrk_script is not None:
             run = load_with_wrk(mode, confirms, server.port, wrk_script)
         else:
             run = load_with_python(mode, confirms, server.port)
+        after = [cpu_seconds(pids) for pids in watched]
+        run.worker_cpu, run.broker_cpu = (
+            None if a is None or b is None else a - b for a, b in zip(after, before, strict=True)
+        )
         if mode == "none":
             answered = run.requests
         elif confirms:  # each 200 was sent after the broker confirmed its message
@@ -311,6 +338,8 @@ def section_of(runs: list[Run], confirms: bool, command: str, seconds: float) ->
                 fmt_ms(of(mode, "p99")),
                 fmt_ms(of(mode, "max")),
                 str(timeouts),
+                _fmt_us(of(mode, "worker_us")),
+                _fmt_us(of(mode, "broker_us")),
                 "" if mode == "drainer" else fmt_ratio(ratio(of("drainer", "rate"), rate)),
             ]
         )
@@ -321,6 +350,8 @@ def section_of(runs: list[Run], confirms: bool, command: str, seconds: float) ->
                 "vs_no_amqp": ratio(rate, base_rate),
                 **{q: of(mode, q) for q in ("p50", "p95", "p99", "max")},
                 "timeouts": timeouts,
+                "worker_cpu_us_per_request": of(mode, "worker_us"),
+                "broker_cpu_us_per_request": of(mode, "broker_us"),
                 "rounds_req_s": [r.rate for r in mine if r.mode == mode],
             }
         )
@@ -329,6 +360,14 @@ def section_of(runs: list[Run], confirms: bool, command: str, seconds: float) ->
         f"keep-alive connections for {DURATION} s per app and round, {ROUNDS} round(s) "
         f"(ABBA order; every app with confirms and without, next to each other, the no-AMQP "
         f"app once per round); median over rounds. Load: {command}.",
+        "Worker CPU: the gunicorn worker's user + system time over the load, per answered "
+        "request (the worker is bound by its interpreter lock: its rate is about the inverse "
+        "of this); broker CPU: the broker process's (the one listening on the broker's "
+        "port), per answered request, '-' where it cannot be read. Medians over rounds.",
+        "amqpstorm leaves TCP_NODELAY off, so the kernel holds its small writes back while "
+        "one is unacknowledged (Nagle) and the broker reads many publishes at once: less "
+        "broker CPU a request, longer tails (P99, max). py-amqp, kombu and drainer-amqp set "
+        "TCP_NODELAY: each publish leaves at once, and is one read for the broker.",
     ]
     dr_rel = ratio(of("drainer", "rate"), base_rate)
     dr_vs_storm = ratio(of("drainer", "rate"), of("amqpstorm", "rate"))
@@ -393,6 +432,8 @@ def section_of(runs: list[Run], confirms: bool, command: str, seconds: float) ->
             "P99",
             "max",
             "timeouts",
+            "worker CPU µs/req",
+            "broker CPU µs/req",
             "drainer / this (req/s)",
         ],
         rows=rows,
