@@ -627,3 +627,22 @@ def test_drainer_stats_are_plain_numbers(connect, queue) -> None:
     assert stats["frames_read"] > 0 and stats["bytes_read"] > 0
     assert isinstance(stats["lock_held_seconds"], float) and stats["lock_held_seconds"] > 0
     assert stats["waiting_threads"] == 0
+
+
+def test_a_drainer_thread_that_cannot_start_fails_connect_and_leaves_nothing_open(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    """The interpreter may start shutting down between the connection's check and its
+    thread's start (Python 3.12 then refuses the thread): connect() raises Python's
+    error, and leaves no socket, descriptor or thread behind."""
+    conn = drainer_amqp.Connection(host=BROKER_HOST, dedicated_drainer=True)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="interpreter shutdown"):
+        conn.connect()
+    monkeypatch.undo()
+    assert not conn.connected
+    assert conn not in drainer_amqp.connection.open_connections()

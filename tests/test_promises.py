@@ -377,6 +377,113 @@ def test_a_stalled_broker_costs_the_other_connections_nothing_at_exit(
         assert not missing, f"returned but lost: {sorted(missing)}"
 
 
+FAILING_CLOSE_SCRIPT = """
+import atexit, sys
+
+closed = []
+# Registered before the library's hook, so it runs after it (atexit is last in, first out).
+atexit.register(lambda: print("closed", closed, "failed", failed_index, flush=True))
+
+import drainer_amqp
+from amqp import Message
+from drainer_amqp import connection
+
+queue, mode = sys.argv[1], sys.argv[2]
+drainer = mode == "drainer"
+conns = [drainer_amqp.Connection(host={host!r}, dedicated_drainer=drainer) for _ in range(2)]
+for i, conn in enumerate(conns):
+    conn.connect()
+    channel = conn.channel()
+    for n in range(20):
+        channel.basic_publish(Message(b"conn%d-%02d" % (i, n)), routing_key=queue)
+
+real_send_close = connection.Connection._send_close
+real_finish_close = connection.Connection._finish_close
+failed_index = None
+
+
+def send_close(self, *args):
+    global failed_index
+    if failed_index is None:  # the first connection the hook closes
+        failed_index = conns.index(self)
+        raise OSError("this close fails")
+    return real_send_close(self, *args)
+
+
+def finish_close(self, *args):
+    real_finish_close(self, *args)
+    closed.append(bool(self._closed_ok and self._closed_ok.value))
+
+
+connection.Connection._send_close = send_close
+connection.Connection._finish_close = finish_close
+# exit without close()
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_close_that_fails_at_exit_leaves_the_others_closed(mode: str, fresh_queue: str) -> None:
+    """The exit hook closes every connection: one whose close raises is logged and left,
+    and the next still completes its close handshake with all it published delivered."""
+    script = textwrap.dedent(FAILING_CLOSE_SCRIPT).format(host=BROKER_HOST)
+    child = subprocess.run(
+        [sys.executable, "-c", script, fresh_queue, mode], capture_output=True, timeout=JOIN * 2
+    )
+    stderr = child.stderr.decode(errors="replace")
+    assert child.returncode == 0, stderr
+    assert "this close fails" in stderr, stderr  # logged, with its traceback
+    assert "Exception ignored" not in stderr, stderr
+    _, closed, _, failed = child.stdout.decode().split(maxsplit=3)
+    assert closed == "[True]", child.stdout
+    other = b"conn%d" % (1 - int(failed))
+    bodies = set(queue_bodies(fresh_queue))
+    missing = {b"%s-%02d" % (other, n) for n in range(20)} - bodies
+    assert not missing, f"returned but lost: {sorted(missing)}"
+
+
+REFUSED_THREADS_SCRIPT = """
+import atexit, sys, threading
+import drainer_amqp
+from amqp import Message
+
+queue = sys.argv[1]
+
+
+def goodbye():
+    # What Python 3.12 does to a thread started while the interpreter shuts down.
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    threading.Thread.start = refuse
+    conn = drainer_amqp.Connection(host={host!r}, dedicated_drainer=True)
+    conn.connect()
+    conn.channel().basic_publish_confirm(Message(b"goodbye"), routing_key=queue)
+    print("dedicated_drainer", conn.dedicated_drainer, flush=True)
+    # no close(): the library's hook, registered before this one, runs after it
+
+
+atexit.register(goodbye)
+"""
+
+
+def test_a_drainer_connection_opened_where_python_refuses_threads_reads_in_its_callers(
+    fresh_queue: str,
+) -> None:
+    """An atexit handler that connects and publishes (a service's last message): where
+    Python refuses new threads then (3.12), the connection reads in its callers' threads,
+    as stock's does, says so, and its confirmed publish is delivered."""
+    script = textwrap.dedent(REFUSED_THREADS_SCRIPT).format(host=BROKER_HOST)
+    child = subprocess.run(
+        [sys.executable, "-c", script, fresh_queue], capture_output=True, timeout=JOIN * 2
+    )
+    stderr = child.stderr.decode(errors="replace")
+    assert child.returncode == 0, stderr
+    assert "Traceback" not in stderr, stderr
+    assert "refuses new threads" in stderr, stderr  # the warning
+    assert child.stdout.decode().split() == ["dedicated_drainer", "False"], child.stdout
+    assert queue_bodies(fresh_queue) == [b"goodbye"]
+
+
 @pytest.mark.parametrize("threads", [10, 100])
 @pytest.mark.parametrize("mode", MODES)
 def test_every_publishing_thread_makes_progress(mode: str, threads: int, fresh_queue: str) -> None:

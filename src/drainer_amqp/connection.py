@@ -100,6 +100,12 @@ class Connection(amqp.Connection):
             raise ValueError(f"inbox_limit must be an int >= 0, not {inbox_limit!r}")
         if not isinstance(max_unconfirmed, int) or max_unconfirmed < 1:
             raise ValueError(f"max_unconfirmed must be an int >= 1, not {max_unconfirmed!r}")
+        if dedicated_drainer and not _threads_can_start():
+            logger.warning(
+                "Python refuses new threads at interpreter shutdown: this connection reads "
+                "in its callers' threads (legacy mode), as stock py-amqp does"
+            )
+            dedicated_drainer = False
         self.dedicated_drainer = dedicated_drainer
         self.blocked_timeout = float(blocked_timeout)
         # Deferred confirms outstanding, and how those settled ended (counted by the
@@ -212,12 +218,16 @@ class Connection(amqp.Connection):
         if self._frame_writer_cls is amqp_frame_writer and self.connected:
             self.publish_encoder = PublishEncoder(self.frame_max)  # frame_max as tuned
         if self.connected:
-            self.reader.start(
-                self._transport.sock,
-                name=f"drainer-amqp-{self.host}",
-                frame_max=self.frame_max,
-                heartbeat=self.heartbeat or 0,
-            )
+            try:
+                self.reader.start(
+                    self._transport.sock,
+                    name=f"drainer-amqp-{self.host}",
+                    frame_max=self.frame_max,
+                    heartbeat=self.heartbeat or 0,
+                )
+            except BaseException:  # no thread (shutdown began meanwhile): no half-open socket
+                self.collect()
+                raise
             if self.reader.owns_socket and not isinstance(self._transport.sock, ssl.SSLSocket):
                 # The drainer writes what is written behind (an SSLSocket cannot be
                 # written without blocking and resumed safely).
@@ -678,6 +688,21 @@ _connections: weakref.WeakSet[Connection] = weakref.WeakSet()
 _connections_lock = threading.Lock()
 
 
+def _threads_can_start() -> bool:
+    """Whether this process may start a thread: not while the interpreter shuts down on
+    Python 3.12, which refuses new threads then (an atexit handler that connects). Tried
+    only once the main thread has ended, with a thread that returns at once."""
+    if threading.main_thread().is_alive():
+        return True
+    probe = threading.Thread(target=int, name="drainer-amqp-probe", daemon=True)
+    try:
+        probe.start()
+    except RuntimeError:
+        return False
+    probe.join(CLOSE_TIMEOUT)
+    return True
+
+
 def open_connections() -> list[Connection]:
     """A snapshot of every open connection (safe from any thread)."""
     with _connections_lock:
@@ -696,8 +721,9 @@ def _close_at_exit() -> None:
     Every connection's ``Connection.Close`` is written first, each write bounded by its
     share of the time left, then every ``CloseOk`` is awaited (they arrive together), so
     one stalled broker costs the others nothing; connections opened meanwhile are
-    closed in the same way while time is left. No thread is started (Python 3.12 refuses
-    one at exit)."""
+    closed in the same way while time is left. A connection whose close fails is logged
+    and left: the others are closed still. No thread is started (Python 3.12 refuses one
+    at exit)."""
     deadline = monotonic() + CLOSE_TIMEOUT
     ok_by = deadline - CLOSE_TIMEOUT / 10  # as close(): a tenth to release
     args = dumps("BsBB", (0, "", 0, 0))
@@ -707,10 +733,16 @@ def _close_at_exit() -> None:
         for i, conn in enumerate(opened):
             seen.add(conn)
             share = max(ok_by - monotonic(), 0.0) / (len(opened) - i)
-            if conn._send_close(args, share, monotonic() + share):
-                closing.append(conn)
+            try:
+                if conn._send_close(args, share, monotonic() + share):
+                    closing.append(conn)
+            except Exception:
+                logger.warning("closing %r at exit failed", conn, exc_info=True)
         for conn in closing:
-            conn._finish_close(ok_by, deadline)
+            try:
+                conn._finish_close(ok_by, deadline)
+            except Exception:
+                logger.warning("closing %r at exit failed", conn, exc_info=True)
 
 
 def _after_fork_in_child() -> None:

@@ -161,7 +161,12 @@ class Drainer:
             self._assembler = FrameAssembler(frame_max)
             self._heartbeat = float(heartbeat or 0)
             self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-            self.thread.start()
+            try:
+                self.thread.start()
+            except BaseException:  # RuntimeError at interpreter shutdown (Python 3.12)
+                self.thread = None
+                self.close()  # no thread will close the wake-up pair
+                raise
 
     def wake(self) -> None:
         """Make the thread's ``select`` return now (safe from any thread)."""
