@@ -72,7 +72,8 @@ class Connection(amqp.Connection):
     ``max_unconfirmed`` (deferred confirms outstanding, 10000); ``confirm_publish`` may
     be ``"deferred"`` (``basic_publish`` is then ``basic_publish_deferred``). With
     ``dedicated_drainer``, ``heartbeat`` defaults to :data:`DRAINER_HEARTBEAT` seconds
-    (``heartbeat=False``: none).
+    (``heartbeat=False``: none). A connection made where Python refuses new threads (3.12,
+    while the interpreter shuts down: an atexit handler) is in legacy mode, with a warning.
     """
 
     Channel = Channel
