@@ -6,10 +6,13 @@ runs both; scripts/test.sh runs them beside the test suite.
 Only the files in ``VERSIONED`` run here: they use py-amqp's, kombu's and Celery's
 internals (the compat check, py-amqp's channel and transport internals, the encoder's
 byte-for-byte match with py-amqp's frame writer, legacy reads through py-amqp's transport)
-or integrate with them (kombu, Celery, dramatiq, TLS through kombu, reconnects). The rest
-test this library's own machinery (the writer, the drainer, framing, locks, bounds,
-faults through the proxy, the soak, the cluster), which no dependency's version changes:
-they run once, in the main test suite, on the versions the project installs.
+or integrate with them (kombu, Celery, dramatiq, TLS through kombu, reconnects); and the
+quick tests of the machinery that leans on the interpreter itself (the writer, the inbox,
+the send that keeps the interpreter lock, framing, locks, borrowed reads: a few seconds),
+whose tests force interleavings through hooks that Python versions honour differently
+(3.10 tests a deque subclass's truth without its ``__len__``). The rest (bounds, faults
+through the proxy, promises at exit, the soak, the cluster) run once, in the main test
+suite, on the versions the project installs.
 
 Interpreters come from pyenv when they are not on PATH already.
 """
@@ -40,6 +43,12 @@ VERSIONED = [
     "tests/test_celery.py",
     "tests/test_event_loop.py",
     "tests/test_dramatiq.py",
+    "tests/test_writer.py",
+    "tests/test_inbox.py",
+    "tests/test_sending.py",
+    "tests/test_framing.py",
+    "tests/test_locks.py",
+    "tests/test_borrowed_reads.py",
 ]
 
 
