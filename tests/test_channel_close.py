@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from amqp import Message, spec
-from amqp.exceptions import ChannelError, NotFound
+from amqp.exceptions import ChannelError, NotFound, RecoverableConnectionError
 from support.broker import JOIN, unique_name, wait_until
 from support.fake_broker import FakeBroker, fake_broker, method
 from support.publishing import connect, queue_bodies
@@ -178,6 +178,171 @@ def test_the_drainer_fails_pending_waits_while_other_threads_add_and_remove_them
             assert conn.reason is None, conn.reason
         finally:
             conn.close()
+
+
+def test_nobody_reopens_the_channel_or_is_woken_before_the_close_ok_is_queued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between the broker's Channel.Close and our CloseOk, a thread woken by the close (or
+    one that finds the channel closed) would reopen it: a Channel.Open before the CloseOk
+    makes RabbitMQ end the connection (504, second 'channel.open'). Forced: as the drainer
+    queues the CloseOk, a waiter is still asleep, and another thread's publish raises the
+    close error without reopening the channel."""
+    with fake_broker() as broker:
+        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
+        conn.connect()
+        try:
+            channel = conn.channel()
+            waiting, waiting_out = run_in_thread(
+                lambda: channel.queue_declare("missing", passive=True), "waiting"
+            )
+            assert broker.wait_for(spec.Queue.Declare)
+            seen: dict[str, Any] = {}
+            real_send_frames = conn.send_frames
+
+            def send_frames(channel_id: int, sig: Any, *args: Any, **kwargs: Any) -> None:
+                if sig == spec.Channel.CloseOk and not seen:
+                    seen["woken"] = [w.done for w in set(channel._pending.values())]
+                    other, seen["other"] = run_in_thread(
+                        lambda: channel.basic_publish(Message(b"x"), routing_key="q"), "other"
+                    )
+                    other.join(JOIN)
+                    seen["other_done"] = not other.is_alive()
+                real_send_frames(channel_id, sig, *args, **kwargs)
+
+            monkeypatch.setattr(conn, "send_frames", send_frames)
+            broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
+            waiting.join(JOIN)
+            assert not waiting.is_alive()
+            assert seen["woken"] == [False], seen
+            assert seen["other_done"], "the other thread reopened the channel and hung"
+            assert isinstance(seen["other"][0], NotFound), seen
+            assert isinstance(waiting_out[0], NotFound), waiting_out
+            # The woken thread reopened the channel, after the CloseOk.
+            assert broker.wait_for(spec.Channel.Open, count=2)
+            sigs = methods_on(broker, 1)
+            assert sigs.index(spec.Channel.CloseOk) < len(sigs) - 1 - sigs[::-1].index(
+                spec.Channel.Open
+            ), sigs
+            assert_nothing_between_close_ok_and_open(sigs)
+            assert spec.Basic.Publish not in sigs, sigs
+            channel.basic_publish(Message(b"after"), routing_key="q")
+            assert broker.wait_for(spec.Basic.Publish)
+            assert conn.reason is None
+        finally:
+            conn.close()
+
+
+@pytest.mark.parametrize("call", ["publish", "confirmed", "declare"])
+def test_nothing_is_written_on_a_channel_behind_its_own_close(
+    monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """A thread's method has passed every check and is on its way to the writer when
+    another thread closes the channel: written behind the Channel.Close, it would reach
+    RabbitMQ after the channel ended there (504: the connection ends, every channel
+    with it). It is refused as it is taken for writing, with the error a call on the
+    closed channel gets (RecoverableConnectionError), and the connection goes on."""
+    with fake_broker(answer_declare=True) as broker:
+        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
+        conn.connect()
+        try:
+            channel = conn.channel()
+            if call == "confirmed":
+                channel.confirm_select()
+            calls = {
+                "publish": lambda: channel.basic_publish(Message(b"late"), routing_key="q"),
+                "confirmed": lambda: channel.basic_publish_confirm(
+                    Message(b"late"), routing_key="q", confirm_timeout=JOIN
+                ),
+                "declare": lambda: channel.queue_declare("q"),
+            }
+            at_writer, go = threading.Event(), threading.Event()
+            real_send_frames = conn.send_frames
+
+            def send_frames(*args: Any, **kwargs: Any) -> None:
+                if threading.current_thread().name == "late":
+                    at_writer.set()
+                    assert go.wait(JOIN)
+                real_send_frames(*args, **kwargs)
+
+            monkeypatch.setattr(conn, "send_frames", send_frames)
+            late, late_out = run_in_thread(calls[call], "late")
+            assert at_writer.wait(JOIN)
+            channel.close()
+            go.set()
+            late.join(JOIN)
+            assert not late.is_alive()
+            assert isinstance(late_out[0], RecoverableConnectionError), late_out
+            sigs = methods_on(broker, 1)
+            assert sigs[-1] == spec.Channel.Close, sigs
+            assert conn.reason is None
+            other = conn.channel()
+            other.queue_declare("q")
+            assert other.channel_id == 1  # the closed channel's id, reused: clean
+            assert methods_on(broker, 1)[len(sigs) :] == [spec.Channel.Open, spec.Queue.Declare]
+        finally:
+            conn.close()
+
+
+def close_under_publishers(conn: Any, queue: str, confirmed: bool, round_: int) -> None:
+    """One round: three threads publish on a new channel until another closes it."""
+    shared = conn.channel()
+    if confirmed:
+        shared.confirm_select()
+    publish = shared.basic_publish_confirm if confirmed else shared.basic_publish
+    returned: list[bytes] = []
+    errors: list[BaseException] = []
+    started = threading.Barrier(4, timeout=JOIN)
+
+    def publisher(t: int) -> None:
+        started.wait()
+        n = 0
+        while True:
+            body = b"%d-%d-%d" % (round_, t, n)
+            n += 1
+            try:
+                publish(Message(body), routing_key=queue, timeout=JOIN)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+                return
+            returned.append(body)
+
+    threads = [run_in_thread(partial(publisher, t), f"pub-{t}")[0] for t in range(3)]
+    started.wait()
+    assert wait_until(lambda: len(returned) >= 30, JOIN)
+    shared.close()
+    for thread in threads:
+        thread.join(JOIN)
+        assert not thread.is_alive(), "a publisher hung"
+    assert len(errors) == 3
+    assert all(isinstance(e, RecoverableConnectionError) for e in errors), errors
+    bodies = set(queue_bodies(queue))
+    missing = set(returned) - bodies
+    assert not missing, f"returned but not in the queue: {sorted(missing)[:5]}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("confirmed", [False, True], ids=["plain", "confirmed"])
+def test_a_channel_closed_under_its_publishers_leaves_the_connection_alone(
+    mode: str, confirmed: bool
+) -> None:
+    """Three threads publish on one channel; another thread closes it. Each publisher
+    gets an error at its next publish; the connection and its other channels go on; and
+    every publish that returned is in the queue (a confirmed one: acked). Three rounds."""
+    queue = unique_name("drainer-own-close")
+    conn = connect(mode)
+    try:
+        other = conn.channel()
+        other.queue_declare(queue, auto_delete=False)
+        try:
+            for round_ in range(3):
+                close_under_publishers(conn, queue, confirmed, round_)
+                assert other.queue_declare(queue, passive=True).queue == queue
+                assert conn.reason is None, conn.reason
+        finally:
+            other.queue_delete(queue)
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -116,6 +116,8 @@ class _PublishTake:
 
     def __call__(self) -> None:
         channel = self.channel
+        if channel._close_taken:
+            raise _Refused(channel._closed_here())
         error = channel._close_error
         if error is None and channel._confirm_mode:
             with channel._close_lock:  # against _on_close failing every confirm
@@ -244,9 +246,10 @@ class Channel(pyamqp.Channel):
     def __init__(self, connection: ChannelConnection, *args: Any, **kwargs: Any) -> None:
         self.confirms = Confirms(connection.waiters)
         self._confirm_mode = False
-        # Guards _close_error against confirms being numbered (a publish's take) and
-        # _reviving: the reading thread sets the error, a take reads it, one using
-        # thread claims the revive. Taken under the writer's lock, never the reverse.
+        # Guards _close_error and _close_ok_due against confirms being numbered (a
+        # publish's take) and _reviving: the reading thread sets the error, a take reads
+        # it, one using thread claims the revive (not before the CloseOk is queued).
+        # Taken under the writer's lock, never the reverse.
         self._close_lock = threading.Lock()
         # The broker closed this channel: set before our CloseOk is queued, cleared as
         # the Channel.Open that reopens it is taken for writing, so nothing else of this
@@ -254,6 +257,11 @@ class Channel(pyamqp.Channel):
         self._close_error: BaseException | None = None
         self._last_close_error: BaseException | None = None
         self._reviving = False  # a thread is reopening the channel
+        self._close_ok_due = False  # the broker closed it; our CloseOk is not queued yet
+        # This side's Channel.Close was taken for writing: nothing of this channel's is
+        # taken after it (the broker would get it after the channel ended: 504). Set and
+        # read in takes, under the writer's lock.
+        self._close_taken = False
         self._prepared: dict[int, Waiter] = {}  # thread id -> wait registered before writing
         # A Basic.Return read just before its message's ack (reading thread only).
         self._returned: tuple[bytes, Any] | None = None
@@ -358,7 +366,7 @@ class Channel(pyamqp.Channel):
     def _raise_channel_error(self, conn: ChannelConnection, error: BaseException) -> None:
         """Reopen the channel the broker closed (once, in this thread) and raise why."""
         with self._close_lock:
-            mine = self._close_error is error and not self._reviving
+            mine = self._close_error is error and not (self._reviving or self._close_ok_due)
             self._reviving = self._reviving or mine
         if mine:
             try:
@@ -370,17 +378,34 @@ class Channel(pyamqp.Channel):
 
     def _check_open(self) -> None:
         """A method's take (under the writer's lock): refuse it on a channel the broker
-        closed."""
+        closed, or behind this side's Channel.Close."""
         error = self._close_error
+        if self._close_taken:
+            error = self._closed_here()
         if error is not None:
             raise _Refused(error)
+
+    def _take_close(self) -> None:
+        """This side's Channel.Close's take: what is taken after it is refused."""
+        self._close_taken = True
+
+    def _closed_here(self) -> BaseException:
+        """What a method taken behind this side's Channel.Close raises: what it raises
+        once the close is done (see ``_live_conn``)."""
+        error = RecoverableConnectionError("channel closed")
+        tag(error, self.connection or self._ended_connection)
+        return error
 
     def _write(
         self, conn: ChannelConnection, sig: Any, args: Any, content: Any, **kwargs: Any
     ) -> None:
         """Write one method of this channel; ``take`` (default: refused on a channel the
         broker has closed by the time it is taken) and the rest as ``send_frames``."""
-        kwargs.setdefault("take", None if sig in _ALWAYS_WRITTEN else self._check_open)
+        if "take" not in kwargs:
+            if sig == spec.Channel.Close:
+                kwargs["take"] = self._take_close
+            else:
+                kwargs["take"] = None if sig in _ALWAYS_WRITTEN else self._check_open
         channel_id = self.channel_id
         if channel_id is None:  # collected by another thread meanwhile
             raise conn.error_for_caller()
@@ -584,21 +609,30 @@ class Channel(pyamqp.Channel):
         conn = self.connection
         if conn is None:
             return  # let go of by this side meanwhile
+        self.is_open = False
+        if self.is_closing or conn.is_closing:
+            self._write(conn, spec.Channel.CloseOk, "", None)
+            return
         # The broker closed this channel. Reopening it needs a wait, which the drainer must
         # never do, and which in legacy mode belongs to the thread that used the channel:
-        # record the error (before CloseOk is queued: nothing of this channel's is written
-        # after it), wake this channel's waiters, and let the next thread that uses the
-        # channel reopen it and raise the error.
-        self.is_open = False
-        if not (self.is_closing or conn.is_closing):
-            error = error_for_code(reply_code, reply_text, (class_id, method_id), ChannelError)
+        # the next thread that uses the channel reopens it and raises the error. In this
+        # order: the error is recorded (nothing of this channel's is numbered or taken for
+        # writing after it) and the confirms waited for are taken; the CloseOk is queued;
+        # then the waiters are woken, and a thread may reopen the channel: its
+        # Channel.Open goes out after the CloseOk (before it, RabbitMQ ends the connection).
+        error = error_for_code(reply_code, reply_text, (class_id, method_id), ChannelError)
+        with self._close_lock:
+            self._close_error = self._last_close_error = error
+            self._close_ok_due = True
+            unconfirmed = self.confirms.take_all()
+        try:
+            self._write(conn, spec.Channel.CloseOk, "", None)
+        finally:
             with self._close_lock:
-                self._close_error = self._last_close_error = error
-                self.confirms.fail_all(error)  # no publish is numbered after this
+                self._close_ok_due = False
             pending = self._pending.copy()  # one call: other threads add and remove
-            for waiter in {w for w in pending.values() if isinstance(w, Waiter)}:
+            for waiter in [*unconfirmed, *{w for w in pending.values() if isinstance(w, Waiter)}]:
                 waiter.fail(error)
-        super().send_method(spec.Channel.CloseOk)
 
     def _do_revive(self) -> None:
         """Reopen the channel the broker closed (py-amqp's, with the error cleared as the

@@ -193,12 +193,18 @@ class Confirms:
         return len(self._waiting)
 
     def fail_all(self, error: BaseException | None) -> None:
-        """The broker closed the channel: every pending confirm fails with ``error``
-        (None: the connection ended, with its reason)."""
+        """Every pending confirm fails with ``error`` (None: the connection ended, with its
+        reason)."""
+        for waiter in self.take_all():
+            waiter.fail(error)
+
+    def take_all(self) -> list[Waiter]:
+        """The waiters of every pending confirm, which no ack will settle now (the broker
+        closed the channel): the caller fails them."""
         with self._lock:
             waiting, self._waiting = self._waiting, {}
-        for waiter in waiting.values():
-            waiter.fail(error)
+            self._returnable = {}
+        return list(waiting.values())
 
 
 #: ``(key, function, *args)``: one tuple per callback (a consumer's backlog of them is
