@@ -25,6 +25,7 @@ from support.broker import (
     unique_name,
     wait_until,
 )
+from support.fake_broker import fake_broker, frame
 from support.threads import drain_in_background, wait_until_blocked
 
 import drainer_amqp
@@ -525,6 +526,48 @@ def test_an_interrupted_drain_events_leaves_the_legacy_lock_to_the_others(
     assert published == ["other"], "the other thread's publish waits for a lock nobody holds"
     channel.basic_publish(amqp.Message("from the main thread"), routing_key=queue)
     assert wait_until(lambda: count_messages(conn, queue) == 2, JOIN)
+
+
+def test_an_interrupt_between_a_frames_header_and_its_payload_keeps_the_stream_in_step(
+    sigint_raises: None,
+) -> None:
+    """Legacy mode: Ctrl-C while the main thread, reading for itself, has read a frame's
+    header and waits for the rest. The header is kept for the next read: the next call
+    reads that frame whole, then its own reply (the header was lost, and the stream out of
+    step: MalformedFrame, the connection ended)."""
+    with fake_broker(answer_declare=True) as broker:
+        conn = drainer_amqp.Connection(host=broker.hostport)
+        conn.connect()
+        try:
+            channel = conn.channel()
+            transport = conn.transport
+            real_read = transport._read
+            waits_for_payload = threading.Event()
+
+            def _read(n: int, *args: object) -> bytes:  # named as py-amqp's: blocked_in
+                if n == 1:  # a heartbeat's frame-end byte: the header is read
+                    waits_for_payload.set()
+                return real_read(n, *args)  # type: ignore[no-any-return]
+
+            transport._read = _read
+            main = threading.current_thread()
+
+            def interrupt_in_payload() -> None:
+                if waits_for_payload.wait(JOIN) and wait_until_blocked(main, ["_read"]):
+                    signal.pthread_kill(main.ident or 0, signal.SIGINT)
+
+            interrupter = threading.Thread(target=interrupt_in_payload, daemon=True)
+            interrupter.start()
+            heartbeat = frame(8, 0, b"")
+            broker.send(heartbeat[:7])
+            with pytest.raises(KeyboardInterrupt):
+                conn.drain_events(timeout=JOIN)  # pytest runs tests in the main thread
+            interrupter.join(JOIN)
+            broker.send(heartbeat[7:])
+            assert channel.queue_declare("q").queue == "q"
+            assert conn.reason is None
+        finally:
+            conn.close()
 
 
 def test_an_interrupted_legacy_publish_behind_a_reader_is_written_and_keeps_the_connection(

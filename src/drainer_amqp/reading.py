@@ -234,7 +234,7 @@ def read_frame(
         if before_payload is not None:
             before_payload()
         rest = transport._read(size + 1)
-    except OSError:  # a timeout (py-amqp's _read keeps what it read of the payload)
+    except BaseException:  # a timeout, an interrupt: py-amqp's _read keeps what it read
         transport._read_buffer = header + transport._read_buffer  # read again next time
         raise
     if rest[size] != FRAME_END:
