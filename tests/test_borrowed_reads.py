@@ -163,6 +163,50 @@ def test_a_bad_frame_a_borrower_reads_fails_every_waiter(
         conn.collect()
 
 
+class RaisedIntoThread(BaseException):
+    """As ``PyThreadState_SetAsyncExc`` raises into a thread (a job timeout, a killer
+    thread): not an ``Exception``, and it may land between any two calls."""
+
+
+def test_an_exception_raised_into_a_borrower_mid_read_ends_the_connection_for_everyone(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A borrower has read bytes (here: its reply and another channel's) when an exception
+    is raised into it, before they are dispatched. They are lost: the other channel's
+    waiter would wait forever, and the stream may be out of step. The borrower raises
+    its exception; the connection ends with ConnectionLost, which every other waiter
+    gets at once."""
+    monkeypatch.setattr(drainer, "BORROW_FOR", JOIN)
+    conn = connect("drainer", host=broker.hostport)
+    try:
+        first, second = conn.channel(), conn.channel()
+        borrower, borrowed = run_in_thread(lambda: first.queue_declare("a"), "borrower")
+        assert broker.wait_for(spec.Queue.Declare)
+        assert wait_for_lent(conn)
+        sleeper, slept = run_in_thread(lambda: second.queue_declare("b"), "sleeper")
+        assert broker.wait_for(spec.Queue.Declare, 2)
+        assembler = conn.reader._assembler  # type: ignore[attr-defined]
+        feed = assembler.feed
+
+        def raised_into(data: bytes) -> Any:
+            if threading.current_thread().name == "borrower":
+                raise RaisedIntoThread
+            return feed(data)
+
+        monkeypatch.setattr(assembler, "feed", raised_into)
+        sent = broker.send(method(1, *DECLARE_OK) + method(2, *DECLARE_OK))
+        for thread in (borrower, sleeper):
+            thread.join(JOIN)
+            assert not thread.is_alive()
+        took = time.monotonic() - sent
+        assert borrowed and isinstance(borrowed[0], RaisedIntoThread), borrowed
+        assert slept and isinstance(slept[0], drainer_amqp.ConnectionLost), slept
+        assert took < 1.0, f"the other waiter learned of it after {took:.2f}s"
+        assert isinstance(conn.reason, drainer_amqp.ConnectionLost), conn.reason
+    finally:
+        conn.collect()
+
+
 def test_close_while_a_thread_reads_its_reply_does_not_wait_for_it(
     broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -146,6 +146,9 @@ class Drainer:
         self._last_recv = monotonic()  # when bytes last came, whoever read them
         self._borrows = 0  # how many times a caller took the reading (under _reading)
         self._borrow_error: BaseException | None = None  # a borrower's read failed
+        # Bytes were read and not all dispatched yet (set and cleared by whoever reads,
+        # under _reading): see _borrow.
+        self._mid_read = False
 
     # -- owner API ---------------------------------------------------------------
     def new_locks(self) -> tuple[Any, Any]:
@@ -280,6 +283,17 @@ class Drainer:
                         self._borrow_error = exc
                         self.wake()
                     return False
+                except BaseException as exc:
+                    # Raised into this thread (an asynchronous exception) between a recv
+                    # and the dispatch of what it read: that is lost, and the stream may
+                    # be out of step. The thread ends the connection, and every waiter
+                    # learns why at once.
+                    if self._mid_read and not self._stopping:
+                        lost = ConnectionLost(f"a read was interrupted ({exc!r}): data lost")
+                        lost.__cause__ = exc
+                        self._borrow_error = lost
+                        self.wake()
+                    raise
             return True
         except (OSError, ValueError):  # the socket was closed meanwhile: the thread reports
             return False
@@ -474,6 +488,7 @@ class Drainer:
         if not data:
             self._assembler.check_eof()
             raise ConnectionLost("the broker closed the connection (end of stream)")
+        self._mid_read = True
         stats = self._counts
         stats.reads += 1
         stats.bytes_read += len(data)
@@ -490,6 +505,7 @@ class Drainer:
             stats.heartbeats_received += sum(1 for f in frames if f[0] == 8)
             stats.dispatches += 1
             self._sink.dispatch_frames(frames)
+        self._mid_read = False
         return True
 
     def _tls_pending(self) -> int:
