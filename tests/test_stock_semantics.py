@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import threading
 from collections.abc import Callable, Iterator
 from time import monotonic
@@ -22,7 +23,7 @@ from support.broker import (
     unique_name,
     wait_until,
 )
-from support.fake_broker import content, fake_broker
+from support.fake_broker import content, fake_broker, method
 from support.threads import drain_in_background, wait_until_blocked
 
 import drainer_amqp
@@ -118,6 +119,45 @@ def test_collect_of_a_failed_connection_keeps_the_failure(mode: str, no_leaks: N
     with pytest.raises(AMQPError) as raised:
         channel.basic_publish(amqp.Message("x"), routing_key="nowhere")
     assert not isinstance(raised.value, ConnectionClosedIntentionally)
+
+
+# -- a publish after the broker ended the connection raises --------------------------------
+CONNECTION_FORCED = (320, "CONNECTION_FORCED - broker shutdown", 0, 0)
+
+
+@pytest.mark.parametrize("mode", ["stock", *MODES])
+@pytest.mark.parametrize("how", ["end_of_stream", "connection_close"])
+def test_a_publish_after_the_broker_ended_an_idle_connection_raises(mode: str, how: str) -> None:
+    """The broker ended an idle connection (an end of stream: a restart, a load balancer's
+    idle timeout; or its Connection.Close) and nobody has read since. A publish then
+    raises a connection error, which kombu's retry answers with a new connection,
+    rather than returning written into a link the broker has let go of: the message
+    would be lost without an error. Stock py-amqp reads before each publish (its
+    ``drain_events(timeout=0)``), legacy mode reads what is waiting, the drainer has
+    read it already."""
+    with fake_broker() as broker:
+        if mode == "stock":
+            conn: Any = amqp.Connection(host=broker.hostport)
+        else:
+            conn = drainer_amqp.Connection(
+                host=broker.hostport, dedicated_drainer=mode == "drainer"
+            )
+        conn.connect()
+        try:
+            channel = conn.channel()
+            channel.basic_publish(amqp.Message(b"before"), routing_key="q")
+            if how == "end_of_stream":
+                broker.end_stream()
+            else:
+                broker.send(method(0, spec.Connection.Close, "BsBB", CONNECTION_FORCED))
+            sock = conn.sock
+            assert select.select([sock], [], [], JOIN)[0], "the end never reached the client"
+            if mode == "drainer":
+                assert wait_until(lambda: conn.reason is not None, JOIN)
+            with pytest.raises(pyamqp.Transport.connection_errors):
+                channel.basic_publish(amqp.Message(b"after"), routing_key="q")
+        finally:
+            conn.collect()
 
 
 # -- deliveries sent before a cancel completed reach the consumer ---------------------------

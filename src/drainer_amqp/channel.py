@@ -695,9 +695,10 @@ class Channel(pyamqp.Channel):
         confirm_timeout: float | None = None,
         argsig: str = "Bssbb",
     ) -> Any:
-        """Write one Basic.Publish. Unlike py-amqp's, it never reads the socket: a blocked
+        """Write one Basic.Publish. Unlike py-amqp's, it never waits for a read: a blocked
         connection is known from the broker's ``Connection.Blocked``, and a publish on
-        it waits at most ``min(timeout, blocked_timeout)``."""
+        it waits at most ``min(timeout, blocked_timeout)``. (Legacy mode reads what is
+        waiting, when nobody else reads: see ``LegacyReader.before_publish``.)"""
         self._publish(msg, exchange, routing_key, mandatory, immediate, timeout, argsig, None)
 
     basic_publish = _basic_publish
@@ -720,6 +721,7 @@ class Channel(pyamqp.Channel):
         conn = self.connection
         if conn is None:
             conn = self._live_conn()  # raises
+        conn.reader.before_publish()
         error = self._close_error
         if error is not None:
             self._raise_channel_error(conn, error)

@@ -171,6 +171,9 @@ class Drainer:
                 self.close()  # no thread will close the wake-up pair
                 raise
 
+    def before_publish(self) -> None:
+        """Nothing to do: the thread sees the broker end the connection at once."""
+
     def wake(self) -> None:
         """Make the thread's ``select`` return now (safe from any thread)."""
         if self._wake is not None:

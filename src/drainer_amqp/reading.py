@@ -9,6 +9,7 @@ reads a frame dispatches it. Drainer mode: :class:`~drainer_amqp.drainer.Drainer
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import threading
@@ -25,6 +26,9 @@ __all__ = ["LegacyReader", "Reader"]
 
 #: How far past its deadline one socket read may wait in legacy mode (seconds).
 TIMEOUT_SLACK = 0.001
+#: How long the read before a legacy publish may wait for the rest of a frame that has
+#: begun to arrive (seconds).
+BEFORE_PUBLISH_WAIT = 0.001
 
 
 class Reader(Protocol):
@@ -49,6 +53,10 @@ class Reader(Protocol):
         """Return once ``awaitable`` is ready; ``TimeoutError`` at ``deadline``. Raises
         the connection's reason if it ended (unless ``closing``: close() waits for
         CloseOk after the end)."""
+
+    def before_publish(self) -> None:
+        """A publish is about to be written: raise the connection's end if the broker
+        has ended it meanwhile (legacy mode reads what is waiting to find out)."""
 
     def wake(self) -> None:
         """The inbox has room again."""
@@ -134,7 +142,6 @@ class LegacyReader:
         while not awaitable.ready():
             if not closing and conn.reason is not None and not awaitable.ready():
                 raise conn.error_for_caller()  # a reply read before the end still counts
-            stand_by = False
             if not lock.acquire(blocking=False):
                 remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
                 if not lock.acquire(timeout=-1 if remaining is None else remaining):
@@ -142,31 +149,80 @@ class LegacyReader:
             try:
                 if awaitable.ready():
                     return  # another reader filled it while we waited for the lock
-                if not closing and conn.reason is not None:
-                    raise conn.error_for_caller()
-                conn.dispatching_thread = threading.get_ident()
-                try:
-                    # close() sets is_closing, then asks whether we read: one of us sees
-                    # the other. It writes Connection.Close under this lock, then ends
-                    # the connection, which fills awaitable: wait for that, not the socket.
-                    stand_by = conn.is_closing and not closing
-                    if not stand_by:
-                        read_frames(conn, awaitable, lock, deadline)
-                finally:
-                    conn.dispatching_thread = None
-            except TimeoutError:
-                raise TimeoutError() from None
-            except Exception as exc:  # noqa: BLE001 - any read failure ends the connection
-                conn.end(conn.as_connection_error(exc))
-                if closing:
-                    return
-                raise conn.error_for_caller() from exc
+                stand_by = self._read(awaitable, deadline, closing)
             finally:
                 lock.release()
             if stand_by:
                 awaitable.wait(None if deadline is None else max(deadline - monotonic(), 0.0))
             if deadline is not None and not awaitable.ready() and monotonic() >= deadline:
                 raise TimeoutError()
+
+    def before_publish(self) -> None:
+        """As stock py-amqp's ``drain_events(timeout=0)`` before each publish: when the
+        socket has something to read and no thread reads or writes it now, read and
+        dispatch what is there. An end of stream, or the broker's Connection.Close, then
+        ends the connection, and the publish raises it (kombu republishes on a new
+        connection) rather than being written into a link the broker has let go of,
+        and lost. A thread that reads now sees the end itself."""
+        conn = self._conn
+        transport = conn._transport
+        if transport is None or conn.dispatching_thread is not None:
+            return
+        try:
+            if not select.select((transport.sock,), (), (), 0)[0]:
+                return
+        except (OSError, ValueError):  # closed meanwhile: the write fails, or a reader sees it
+            return
+        lock = conn.transport_lock
+        if not lock.acquire(blocking=False):
+            return  # a reader or a writer has the socket
+        try:
+            if conn.reason is None:
+                self._read(_NOTHING, monotonic() + BEFORE_PUBLISH_WAIT, False)
+        except TimeoutError:
+            pass  # a frame begun and not complete yet: the next read takes it
+        finally:
+            lock.release()
+
+    def _read(self, awaitable: Awaitable, deadline: float | None, closing: bool) -> bool:
+        """Under the transport lock: read frames (see :func:`read_frames`) and dispatch
+        them. True when close() is under way and the caller should wait for it instead;
+        a failed read ends the connection, and raises its reason (unless ``closing``)."""
+        conn = self._conn
+        try:
+            if not closing and conn.reason is not None:
+                raise conn.error_for_caller()
+            conn.dispatching_thread = threading.get_ident()
+            try:
+                # close() sets is_closing, then asks whether we read: one of us sees
+                # the other. It writes Connection.Close under this lock, then ends
+                # the connection, which fills awaitable: wait for that, not the socket.
+                if conn.is_closing and not closing:
+                    return True
+                read_frames(conn, awaitable, conn.transport_lock, deadline)
+            finally:
+                conn.dispatching_thread = None
+        except TimeoutError:
+            raise TimeoutError() from None
+        except Exception as exc:  # noqa: BLE001 - any read failure ends the connection
+            conn.end(conn.as_connection_error(exc))
+            if closing:
+                return False
+            raise conn.error_for_caller() from exc
+        return False
+
+
+class _Nothing:
+    """An awaitable that is never ready: read what is there, and stop."""
+
+    def ready(self) -> bool:
+        return False
+
+    def wait(self, timeout: float | None) -> bool:
+        return False
+
+
+_NOTHING = _Nothing()
 
 
 def read_frames(
