@@ -22,7 +22,9 @@ import pytest
 from amqp import Message
 from amqp.exceptions import ChannelError, MessageNacked
 from support.broker import BROKER_HOST, JOIN, close_broker_connections, unique_name, wait_until
+from support.fake_broker import fake_broker
 from support.publishing import connect
+from support.threads import run_in_thread, wait_until_blocked
 
 import drainer_amqp
 from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
@@ -745,3 +747,36 @@ def test_a_done_callback_that_would_wait_for_itself_raises_at_once(call: str, qu
         assert channel.queue_declare(queue, passive=True).queue == queue
     finally:
         conn.close()
+
+
+def test_the_end_wakes_every_thread_before_the_futures_done_callbacks_run() -> None:
+    """The link ends with a deferred publish outstanding whose done callback takes its
+    time (here: until the test lets it go). The thread in ``drain_events()`` learns of
+    the end at once, not after the callbacks; the callback runs in the thread that
+    settles the future (the drainer, which read the end of stream)."""
+    with fake_broker() as broker:  # it never acks: the future stays pending
+        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
+        conn.connect()
+        let_go = threading.Event()
+        try:
+            future = conn.channel().basic_publish_deferred(Message(b"x"), routing_key="q")
+            in_callback = threading.Event()
+            ran_in: list[str] = []
+
+            def slow(_: Any) -> None:
+                ran_in.append(threading.current_thread().name)
+                in_callback.set()
+                let_go.wait(JOIN)
+
+            future.add_done_callback(slow)
+            consumer, drained = run_in_thread(lambda: conn.drain_events(timeout=JOIN), "consumer")
+            assert wait_until_blocked(consumer, ["drain_events"])
+            broker.end_stream()
+            assert in_callback.wait(JOIN)
+            consumer.join(JOIN)
+            assert not consumer.is_alive(), "drain_events() woke only after the callbacks"
+            assert isinstance(drained[0], drainer_amqp.ConnectionLost), drained
+            assert ran_in == [conn.reader.thread.name]  # type: ignore[attr-defined]
+        finally:
+            let_go.set()
+            conn.collect()

@@ -302,7 +302,9 @@ class Connection(amqp.Connection):
         """The one shutdown, for every cause: a read, write or heartbeat failure, the
         broker's close, ``close()``, ``collect()``, a fork, a refused login. Records
         ``reason``, fails the writer, wakes every waiter; on a failure the reader stops
-        and the socket goes; ``release_by``: reader, socket, channels released by then.
+        and the socket goes; then the deferred publishes' futures fail (their done
+        callbacks run in this thread); ``release_by``: reader, socket, channels
+        released by then.
 
         The first reason wins: a failure stays the reason through a later ``close()`` or
         ``collect()`` (kombu's ``ensure()`` and ``switch()``), so other threads still see
@@ -322,6 +324,9 @@ class Connection(amqp.Connection):
                 # Now, not when kombu gets round to collect() (it may just drop the
                 # connection): a thread blocked reading the socket wakes.
                 self.reader.stop_reading()
+            # Last: the futures' done callbacks run here, and may take their time; every
+            # thread has been told already.
+            self.waiters.fail_confirms()
         if release_by is not None:
             self._release(release_by)
 

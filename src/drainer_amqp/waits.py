@@ -58,13 +58,19 @@ class Waiters:
             self._waiting.discard(waiter)
 
     def end(self) -> None:
-        """Wake every waiter (they look up the connection's reason); later adds fail."""
+        """Wake every waiting thread (they look up the connection's reason); later adds
+        fail. The confirms not settled yet stay for :meth:`fail_confirms`."""
         with self._lock:
             self._ended = True
             waiting, self._waiting = self._waiting, set()
-            confirms = list(self._confirms)
         for waiter in waiting:
             waiter.fail()
+
+    def fail_confirms(self) -> None:
+        """After :meth:`end`: every confirm still pending fails with the connection's
+        reason; a deferred publish's future runs its done callbacks here."""
+        with self._lock:
+            confirms = list(self._confirms)
         for pending in confirms:
             pending.fail_all(None)
 
