@@ -10,6 +10,7 @@ and hooks; then the real broker closes a channel under ten publishing threads.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from functools import partial
@@ -412,3 +413,46 @@ def test_the_broker_closes_a_channel_under_ten_publishing_threads(mode: str) -> 
     missing = set(acked) - set(bodies)
     assert not missing, f"acked but not in the queue: {sorted(missing)[:5]}"
     assert b"last" in bodies
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deliveries_queued_for_a_channel_closed_since_are_dropped(mode: str) -> None:
+    """A consumer's callback closes its channel while more of its deliveries wait to be
+    run (read already: by the drainer, or by close() itself in legacy mode). They are
+    dropped, as stock py-amqp drops what comes while it closes, and the broker requeues
+    them: drain_events() raises nothing (a "channel closed" error there would read as
+    a lost connection to kombu, which would reconnect), and the connection goes on."""
+    queue = unique_name("drainer-closed-consumer")
+    conn = connect(mode)
+    try:
+        channel = conn.channel()
+        channel.queue_declare(queue, auto_delete=False)
+        for i in range(20):
+            channel.basic_publish(Message(b"%d" % i), routing_key=queue)
+        channel.basic_qos(0, 20, False)
+        ran: list[bytes] = []
+        behind: list[int] = []
+
+        def on_message(message: Message) -> None:
+            ran.append(message.body)
+            if mode == "drainer":  # the drainer reads the rest meanwhile
+                assert wait_until(lambda: len(conn.inbox) > 0, JOIN)
+            channel.close()
+            behind.append(len(conn.inbox))
+
+        channel.basic_consume(queue, callback=on_message)
+        deadline = time.monotonic() + JOIN
+        while not ran or len(conn.inbox):
+            assert time.monotonic() < deadline, "the deliveries were never run"
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.5)
+        assert ran == [b"0"]
+        assert behind[0] > 0, "no delivery was queued behind the close: nothing was tested"
+        assert conn.reason is None, conn.reason
+        other = conn.channel()
+        assert wait_until(
+            lambda: other.queue_declare(queue, passive=True).message_count == 20, JOIN
+        ), "the dropped deliveries were not requeued"
+        other.queue_delete(queue)
+    finally:
+        conn.close()

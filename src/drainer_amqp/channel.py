@@ -147,8 +147,16 @@ class _Refused(Exception):  # noqa: N818 - internal: carries the channel's close
         self.error = error
 
 
-#: py-amqp's dispatch, which runs a method's callbacks: what the inbox runs for a channel.
-_dispatch_now = pyamqp.Channel.dispatch_method
+def _dispatch_now(channel: Any, method_sig: Any, payload: bytes, content: Any) -> Any:
+    """What the inbox runs for a channel's method: py-amqp's dispatch, which runs its
+    callbacks; nothing on a channel this side has closed since the method was read (its
+    deliveries go back to the queue; stock py-amqp drops what comes while it closes)."""
+    if channel.connection is None:
+        return None
+    return _py_dispatch(channel, method_sig, payload, content)
+
+
+_py_dispatch = pyamqp.Channel.dispatch_method
 _DELIVER = spec.Basic.Deliver
 _TAG_AND_BIT = Struct(">QB")
 
@@ -177,6 +185,8 @@ def _deliver_now(channel: Any, method_sig: Any, payload: bytes, content: Any) ->
     steps for a delivery, with the arguments decoded by :func:`_deliver_args` rather
     than by py-amqp's generic ``loads`` (a third of the cost). A closing channel, a
     one-shot wait for a delivery, or a malformed payload: py-amqp's own."""
+    if channel.connection is None:
+        return None  # closed by this side since: see _dispatch_now
     args = _deliver_args(payload)
     if args is None or channel.is_closing or _DELIVER in channel._pending:
         return _dispatch_now(channel, method_sig, payload, content)
