@@ -551,3 +551,36 @@ def _check_failover(
             conn.drain_events(timeout=WAIT)
     assert received == ["via the first", "via the second"]
     assert conn.connection is raw2
+
+
+def test_a_connection_used_while_another_thread_releases_it_does_not_reconnect(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    """kombu's ``release()`` in one thread (its close handshake under way) while another
+    thread calls kombu's ``drain_events()``: kombu's lazy ``connection`` there must not
+    open a new connection, which nobody would close (its thread and socket leaked). The
+    call raises ConnectionClosedIntentionally. Forced: the close waits for the test
+    once its Connection.Close is written."""
+    conn = drainer_connection(f"amqp://guest:guest@{BROKER_HOST}//")
+    raw = conn.connection
+    closing, go = threading.Event(), threading.Event()
+    finish_close = raw._finish_close
+
+    def paused(*args: Any) -> None:
+        closing.set()
+        assert go.wait(WAIT)
+        finish_close(*args)
+
+    monkeypatch.setattr(raw, "_finish_close", paused)
+    releaser = threading.Thread(target=conn.release, name="releaser", daemon=True)
+    releaser.start()
+    try:
+        assert closing.wait(WAIT)
+        with pytest.raises(ConnectionClosedIntentionally):
+            conn.drain_events(timeout=0.1)
+        assert conn._connection is raw
+    finally:
+        go.set()
+        releaser.join(WAIT)
+    assert not releaser.is_alive()
+    assert conn._connection is None

@@ -256,14 +256,17 @@ class Connection(amqp.Connection):
     def connected(self) -> bool:  # type: ignore[override]
         """As py-amqp's: a failed connection reads as connected until a thread has been
         told of the failure (the next call raises it, so kombu's ``ensure()`` can revive
-        its consumers instead of reconnecting silently); False after ``close()``,
-        ``collect()`` or a fork."""
+        its consumers instead of reconnecting silently); one being closed, until it is
+        released (py-amqp's until its CloseOk: kombu's lazy ``connection`` in another
+        thread then gives this one, whose calls raise ``ConnectionClosedIntentionally``,
+        rather than open a new one that nobody closes); False once ``close()`` or
+        ``collect()`` is done, and after a fork."""
         transport = self._transport
         if transport is None:
             return False
         if self.reason is None:
             return bool(transport.connected)
-        return not self._reported and not isinstance(self.reason, ConnectionClosedIntentionally)
+        return isinstance(self.reason, ConnectionClosedIntentionally) or not self._reported
 
     # -- the interface channels use ------------------------------------------------------
     def raise_if_ended(self) -> None:
