@@ -5,6 +5,7 @@ the lock while a thread waits for a reply."""
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import sys
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from drainer_amqp.sending import MAX_AT_ONCE, send_at_once
+from drainer_amqp.sending import MAX_AT_ONCE, readable, send_at_once
 from drainer_amqp.writer import Writer
 
 JOIN = 30.0
@@ -109,6 +110,27 @@ def test_a_failed_send_takes_nothing_and_the_sockets_own_call_raises_the_error(
         sender.sendall(b"late")
     sender.close()
     assert send(b"closed") == 0  # no descriptor: nothing written anywhere
+
+
+def test_readable_tells_bytes_and_an_end_apart_from_nothing_yet_and_takes_nothing(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """What a legacy publish asks before it writes: nothing yet, bytes (left in the
+    socket for a read), the peer's end of stream; a closed socket is not readable."""
+    sender, receiver = pair
+    assert not readable(receiver)
+    sender.sendall(b"x")
+    assert select.select([receiver], [], [], JOIN)[0]
+    assert readable(receiver)
+    assert readable(receiver)  # looked at, not taken
+    assert receiver.recv(10) == b"x"
+    assert not readable(receiver)
+    sender.shutdown(socket.SHUT_WR)
+    assert select.select([receiver], [], [], JOIN)[0]
+    assert readable(receiver)
+    assert receiver.recv(10) == b""
+    receiver.close()
+    assert not readable(receiver)
 
 
 def test_only_a_plain_socket_gets_one() -> None:

@@ -150,12 +150,33 @@ def test_a_publish_after_the_broker_ended_an_idle_connection_raises(mode: str, h
                 broker.end_stream()
             else:
                 broker.send(method(0, spec.Connection.Close, "BsBB", CONNECTION_FORCED))
-            sock = conn.sock
-            assert select.select([sock], [], [], JOIN)[0], "the end never reached the client"
-            if mode == "drainer":
+            if mode == "drainer":  # its thread reads the end at once
                 assert wait_until(lambda: conn.reason is not None, JOIN)
+            else:  # nobody has read it: it waits in the socket
+                assert select.select([conn.sock], [], [], JOIN)[0], "the end never came"
             with pytest.raises(pyamqp.Transport.connection_errors):
                 channel.basic_publish(amqp.Message(b"after"), routing_key="q")
+        finally:
+            conn.collect()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_publish_after_a_thread_saw_the_link_fail_raises_the_failure(mode: str) -> None:
+    """A thread in drain_events() saw the link end (the socket is shut, the connection
+    not released yet); a publish in another thread then raises the same ConnectionLost,
+    which kombu retries, not an error of the socket's own (a TypeError on the shut
+    socket would stop kombu's retry)."""
+    with fake_broker() as broker:
+        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=mode == "drainer")
+        conn.connect()
+        try:
+            channel = conn.channel()
+            broker.end_stream()
+            with pytest.raises(ConnectionLost):
+                conn.drain_events(timeout=JOIN)
+            for _ in range(2):
+                with pytest.raises(ConnectionLost):
+                    channel.basic_publish(amqp.Message(b"after"), routing_key="q")
         finally:
             conn.collect()
 

@@ -9,7 +9,6 @@ reads a frame dispatches it. Drainer mode: :class:`~drainer_amqp.drainer.Drainer
 
 from __future__ import annotations
 
-import select
 import socket
 import ssl
 import threading
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 from amqp.exceptions import UnexpectedFrame
 
 from .framing import FRAME_END, HEADER_SIZE, Frame, check_header
+from .sending import readable
 from .sync import Awaitable, FairRLock
 
 __all__ = ["LegacyReader", "Reader"]
@@ -29,6 +29,9 @@ TIMEOUT_SLACK = 0.001
 #: How long the read before a legacy publish may wait for the rest of a frame that has
 #: begun to arrive (seconds).
 BEFORE_PUBLISH_WAIT = 0.001
+#: A legacy publish looks at the socket at most this often (seconds): the look costs
+#: a system call, and an end that came within it is one still on its way.
+BEFORE_PUBLISH_EVERY = 0.0001
 
 
 class Reader(Protocol):
@@ -104,6 +107,7 @@ class LegacyReader:
 
     def __init__(self, connection: LegacyConnection) -> None:
         self._conn = connection
+        self._looked = 0.0  # when a publish last looked at the socket (monotonic)
 
     @property
     def reading(self) -> bool:
@@ -163,22 +167,25 @@ class LegacyReader:
         dispatch what is there. An end of stream, or the broker's Connection.Close, then
         ends the connection, and the publish raises it (kombu republishes on a new
         connection) rather than being written into a link the broker has let go of,
-        and lost. A thread that reads now sees the end itself."""
+        and lost. A thread that reads now sees the end itself. At most every
+        ``BEFORE_PUBLISH_EVERY``: a burst of publishes looks once."""
+        now = monotonic()
+        if now - self._looked < BEFORE_PUBLISH_EVERY:
+            return
+        self._looked = now  # several threads at once: a look more, no harm
         conn = self._conn
         transport = conn._transport
-        if transport is None or conn.dispatching_thread is not None:
-            return
-        try:
-            if not select.select((transport.sock,), (), (), 0)[0]:
-                return
-        except (OSError, ValueError):  # closed meanwhile: the write fails, or a reader sees it
+        if transport is None or conn.reason is not None or conn.dispatching_thread is not None:
+            return  # ended (the publish raises why), or a thread reads now
+        sock = transport.sock
+        if sock is None or not readable(sock):
             return
         lock = conn.transport_lock
         if not lock.acquire(blocking=False):
             return  # a reader or a writer has the socket
         try:
             if conn.reason is None:
-                self._read(_NOTHING, monotonic() + BEFORE_PUBLISH_WAIT, False)
+                self._read(_NOTHING, now + BEFORE_PUBLISH_WAIT, False)
         except TimeoutError:
             pass  # a frame begun and not complete yet: the next read takes it
         finally:

@@ -1,18 +1,21 @@
-"""A small write that keeps the interpreter lock: ``send_at_once(sock)``.
+"""Socket calls that keep the interpreter lock: ``send_at_once(sock)``, ``readable(sock)``.
 
 ``socket.sendall`` lets go of the interpreter lock around its system call, as every
-socket call does. In a process whose threads queue for that lock (a web worker's request
-threads), the sending thread then waits to get it back: a hand-over to another thread
-and back, two context switches, for a system call that takes microseconds. A send that
-cannot block (``MSG_DONTWAIT``) of a few kilobytes is cheaper with the lock kept.
+socket call does (``select`` too). In a process whose threads queue for that lock (a web
+worker's request threads), the calling thread then waits to get it back: a hand-over to
+another thread and back, two context switches, for a system call that takes
+microseconds. A call that cannot block (``MSG_DONTWAIT``) is cheaper with the lock kept.
 
 Linux and CPython only, and plain TCP sockets only (not TLS, nor a socket's stand-in):
-elsewhere :func:`send_at_once` gives None and the caller uses the socket's own calls.
+elsewhere :func:`send_at_once` gives None and the caller uses the socket's own calls,
+and :func:`readable` asks ``select``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import select
 import socket
 import sys
 from collections.abc import Callable
@@ -22,6 +25,8 @@ from collections.abc import Callable
 MAX_AT_ONCE = 64 * 1024
 
 _FLAGS = 0x40 | 0x4000  # MSG_DONTWAIT | MSG_NOSIGNAL (Linux): never block, never SIGPIPE
+_PEEK_FLAGS = 0x2 | 0x40  # MSG_PEEK | MSG_DONTWAIT (Linux): look, take nothing, never block
+_NOTHING_YET = frozenset((errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR))
 
 
 def _libc_send() -> Callable[[int, bytes, int, int], int] | None:
@@ -37,6 +42,38 @@ def _libc_send() -> Callable[[int, bytes, int, int], int] | None:
 
 
 _send = _libc_send()
+
+
+def _libc_recv() -> Callable[[int, ctypes.Array[ctypes.c_char], int, int], int] | None:
+    if not sys.platform.startswith("linux") or sys.implementation.name != "cpython":
+        return None
+    try:
+        recv = ctypes.PyDLL(None, use_errno=True).recv  # keeps the interpreter lock
+    except (OSError, AttributeError):
+        return None
+    recv.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+    recv.restype = ctypes.c_ssize_t
+    return recv  # type: ignore[no-any-return]
+
+
+_recv = _libc_recv()
+_peeked = ctypes.create_string_buffer(1)  # what a peek copies, never read
+
+
+def readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read now: bytes, its end of stream, or an error
+    (which a read then raises). False when it has nothing yet, or is closed."""
+    fd = sock.fileno()
+    if fd < 0:
+        return False
+    if _recv is not None and type(sock) is socket.socket:
+        if _recv(fd, _peeked, 1, _PEEK_FLAGS) >= 0:
+            return True  # a byte, or the end of stream
+        return ctypes.get_errno() not in _NOTHING_YET
+    try:
+        return bool(select.select((fd,), (), (), 0)[0])
+    except (OSError, ValueError):  # closed meanwhile
+        return False
 
 
 def send_at_once(sock: object) -> Callable[[bytes | memoryview], int] | None:
