@@ -456,3 +456,23 @@ def test_deliveries_queued_for_a_channel_closed_since_are_dropped(mode: str) -> 
         other.queue_delete(queue)
     finally:
         conn.close()
+
+
+def test_a_reply_awaited_on_a_channel_another_thread_closes_fails_the_wait() -> None:
+    """A thread waits for a reply (here one that never comes: a broker drops what
+    arrives on a channel it is closing, and so does py-amqp) when another thread closes
+    the channel. The wait ends with the closed channel's error, not never."""
+    with fake_broker() as broker:  # it answers no Queue.Declare
+        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
+        conn.connect()
+        try:
+            channel = conn.channel()
+            waiting, outcome = run_in_thread(lambda: channel.queue_declare("q"), "waiting")
+            assert broker.wait_for(spec.Queue.Declare)
+            channel.close()
+            waiting.join(JOIN)
+            assert not waiting.is_alive(), "the wait outlived its channel"
+            assert isinstance(outcome[0], RecoverableConnectionError), outcome
+            assert conn.reason is None
+        finally:
+            conn.close()

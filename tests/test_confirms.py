@@ -780,3 +780,43 @@ def test_the_end_wakes_every_thread_before_the_futures_done_callbacks_run() -> N
         finally:
             let_go.set()
             conn.collect()
+
+
+@pytest.mark.parametrize("call", sorted(CALLBACK_WAITS))
+def test_a_legacy_done_callback_that_would_wait_for_itself_raises_at_once(
+    call: str, queue: str
+) -> None:
+    """Legacy mode: a future's done callback runs in the thread that read its ack, in the
+    middle of that read's dispatch, holding the transport lock. A call there that waits
+    for the broker would read inside that dispatch while the writes wait for the lock
+    (a confirmed publish hung until the broker gave up on the connection's heartbeats).
+    It raises ``CannotWaitInReadingThread`` at once, as in drainer mode."""
+    conn = connect("legacy", max_unconfirmed=3)
+    try:
+        channel = conn.channel()
+        channel.confirm_select()
+        seen: list[tuple[str, float]] = []
+        futures: list[ConfirmFuture] = []
+
+        def on_done(future: concurrent.futures.Future[Any]) -> None:
+            began = time.monotonic()
+            try:
+                CALLBACK_WAITS[call](channel, queue, futures[1])
+                seen.append(("returned", time.monotonic() - began))
+            except drainer_amqp.CannotWaitInReadingThread:
+                seen.append(("raised", time.monotonic() - began))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                seen.append((repr(exc), time.monotonic() - began))
+
+        # Written at once (legacy mode), acked once read: by this thread, below.
+        with conn.transport_lock:  # no other thread reads the acks meanwhile
+            for body in (b"first", b"pending", b"third"):
+                futures.append(channel.basic_publish_deferred(Message(body), routing_key=queue))
+            futures[0].add_done_callback(on_done)
+        assert futures[0].result(JOIN) is True  # this thread reads: the callback runs here
+        assert seen and seen[0][0] == "raised", seen
+        assert seen[0][1] < 1.0, seen
+        assert channel.basic_publish_deferred(Message(b"after"), routing_key=queue).result(JOIN)
+        assert channel.queue_declare(queue, passive=True).queue == queue
+    finally:
+        conn.close()

@@ -202,9 +202,10 @@ def _deliver_now(channel: Any, method_sig: Any, payload: bytes, content: Any) ->
 
 
 def _reads_here(conn: ChannelConnection) -> bool:
-    """Whether this thread is the drainer's, dispatching what it read (a done callback
-    runs there): a wait for what the connection reads would wait for itself."""
-    return conn.reader.owns_socket and conn.dispatching_thread == threading.get_ident()
+    """Whether this thread is dispatching what it read (a done callback runs there: the
+    drainer's, or in legacy mode the reader's, under the transport lock): a wait for
+    what the connection reads would wait for itself."""
+    return conn.dispatching_thread == threading.get_ident()
 
 
 class ChannelConnection(Protocol):
@@ -311,9 +312,13 @@ class Channel(pyamqp.Channel):
     def collect(self) -> None:
         conn = self.connection
         self._ended_connection = conn or self._ended_connection
-        # Confirms still out will not come on this channel: their waits end now.
+        # Confirms and replies still out will not come on this channel (py-amqp drops
+        # what comes while it closes): their waits end now.
         ended = conn is None or conn.reason is not None
         self.confirms.fail_all(None if ended else _closed_unconfirmed())
+        closed = None if ended else self._closed_here()
+        for waiter in {w for w in self._pending.copy().values() if isinstance(w, Waiter)}:
+            waiter.fail(closed)
         if conn is not None:
             with conn._channel_id_lock:  # py-amqp's collect frees the id in _used_channel_ids
                 if conn.channels is not None:

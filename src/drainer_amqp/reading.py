@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from amqp.exceptions import UnexpectedFrame
 
+from .errors import CannotWaitInReadingThread
 from .framing import FRAME_END, HEADER_SIZE, Frame, check_header
 from .sending import readable
 from .sync import Awaitable, FairRLock
@@ -143,6 +144,17 @@ class LegacyReader:
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         conn = self._conn
         lock = conn.transport_lock
+        if (
+            not closing
+            and not awaitable.ready()
+            and conn.dispatching_thread == threading.get_ident()
+        ):
+            # A done callback, run by the thread that read its confirm, under the lock:
+            # another read here would run inside that dispatch, and writes wait for it.
+            raise CannotWaitInReadingThread(
+                "this thread reads the connection (a done callback of a deferred publish): "
+                "it cannot wait here for what only it would read"
+            )
         while not awaitable.ready():
             if not closing and conn.reason is not None and not awaitable.ready():
                 raise conn.error_for_caller()  # a reply read before the end still counts
