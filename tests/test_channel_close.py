@@ -476,3 +476,28 @@ def test_a_reply_awaited_on_a_channel_another_thread_closes_fails_the_wait() -> 
             assert conn.reason is None
         finally:
             conn.close()
+
+
+def test_a_channel_closed_while_another_thread_reopens_it_ends_that_wait() -> None:
+    """A thread reopens a channel the broker closed (its Channel.Open written, the OpenOk
+    on its way) when another thread closes the channel: py-amqp's close() lets go of a
+    channel that is not open at once. The OpenOk then finds the channel let go of; the
+    reopening thread's wait ends with the closed channel's error, not never. Forced:
+    the drainer dispatches nothing until the close is done."""
+    with fake_broker() as broker:
+        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
+        conn.connect()
+        try:
+            channel = conn.channel()
+            broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
+            assert broker.wait_for(spec.Channel.CloseOk)
+            with conn.transport_lock:  # the OpenOk waits to be dispatched
+                reviver, outcome = run_in_thread(lambda: channel.basic_qos(0, 10, False), "reviver")
+                assert broker.wait_for(spec.Channel.Open, count=2)
+                channel.close()
+            reviver.join(JOIN)
+            assert not reviver.is_alive(), "the reopening thread waits for ever"
+            assert isinstance(outcome[0], RecoverableConnectionError), outcome
+            assert conn.reason is None
+        finally:
+            conn.close()

@@ -557,8 +557,11 @@ class Channel(pyamqp.Channel):
     # -- dispatch: called by the connection's reader, under the transport lock -----------
     def dispatch_method(self, method_sig: tuple[int, int], payload: bytes, content: Any) -> None:
         conn = self.connection
-        if conn is None:
-            return  # closed by this side (py-amqp lets go of it even without CloseOk)
+        if conn is None:  # closed by this side (py-amqp lets go of it even without CloseOk)
+            waiter = self._pending.pop(method_sig, None)  # a wait begun before (a reopen's)
+            if isinstance(waiter, Waiter):
+                waiter.fail(self._closed_here())
+            return
         if method_sig in _EVENTS:
             delivery_tag, multiple = unpack_from(">QB", payload, 4)
             if self._returned is not None:
