@@ -27,7 +27,7 @@ from support.publishing import connect
 from support.threads import run_in_thread, wait_until_blocked
 
 import drainer_amqp
-from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost
+from drainer_amqp import ConnectionClosedIntentionally, ConnectionLost, reading
 from drainer_amqp.deferred import ConfirmFuture, Window
 
 MODES = ["drainer", "legacy"]
@@ -784,13 +784,16 @@ def test_the_end_wakes_every_thread_before_the_futures_done_callbacks_run() -> N
 
 @pytest.mark.parametrize("call", sorted(CALLBACK_WAITS))
 def test_a_legacy_done_callback_that_would_wait_for_itself_raises_at_once(
-    call: str, queue: str
+    call: str, queue: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Legacy mode: a future's done callback runs in the thread that read its ack, in the
     middle of that read's dispatch, holding the transport lock. A call there that waits
     for the broker would read inside that dispatch while the writes wait for the lock
     (a confirmed publish hung until the broker gave up on the connection's heartbeats).
     It raises ``CannotWaitInReadingThread`` at once, as in drainer mode."""
+    # A legacy publish reads what is waiting (before_publish): here only the first looks,
+    # so the acks are read below, by result(), and not by the publishes themselves.
+    monkeypatch.setattr(reading, "BEFORE_PUBLISH_EVERY", JOIN)
     conn = connect("legacy", max_unconfirmed=3)
     try:
         channel = conn.channel()
