@@ -29,34 +29,23 @@ _PEEK_FLAGS = 0x2 | 0x40  # MSG_PEEK | MSG_DONTWAIT (Linux): look, take nothing,
 _NOTHING_YET = frozenset((errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR))
 
 
-def _libc_send() -> Callable[[int, bytes, int, int], int] | None:
+def _libc(name: str) -> Callable[..., int] | None:
+    """libc's ``send`` or ``recv`` (fd, buffer, size, flags), called keeping the
+    interpreter lock (``PyDLL``), errno kept for ``ctypes.get_errno``; None where that
+    cannot be done."""
     if not sys.platform.startswith("linux") or sys.implementation.name != "cpython":
         return None
     try:
-        send = ctypes.PyDLL(None).send  # PyDLL: the call keeps the interpreter lock
+        function = getattr(ctypes.PyDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    send.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
-    send.restype = ctypes.c_ssize_t
-    return send  # type: ignore[no-any-return]
+    function.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+    function.restype = ctypes.c_ssize_t
+    return function  # type: ignore[no-any-return]
 
 
-_send = _libc_send()
-
-
-def _libc_recv() -> Callable[[int, ctypes.Array[ctypes.c_char], int, int], int] | None:
-    if not sys.platform.startswith("linux") or sys.implementation.name != "cpython":
-        return None
-    try:
-        recv = ctypes.PyDLL(None, use_errno=True).recv  # keeps the interpreter lock
-    except (OSError, AttributeError):
-        return None
-    recv.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
-    recv.restype = ctypes.c_ssize_t
-    return recv  # type: ignore[no-any-return]
-
-
-_recv = _libc_recv()
+_send = _libc("send")
+_recv = _libc("recv")
 _peeked = ctypes.create_string_buffer(1)  # what a peek copies, never read
 
 
