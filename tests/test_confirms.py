@@ -705,13 +705,21 @@ def test_a_done_callback_that_writes_does_not_wait_for_a_write_that_waits_for_it
     assert sorted(consume_all(queue, 3)) == [b"first", b"from-callback", b"other"]
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("call", sorted(CALLBACK_WAITS))
-def test_a_done_callback_that_would_wait_for_itself_raises_at_once(call: str, queue: str) -> None:
-    """In drainer mode a future's done callback runs in the thread that reads: a call
-    there that waits for the broker would wait for itself, for ever without a timeout.
-    It raises ``CannotWaitInReadingThread`` at once instead, and the connection carries
-    on."""
-    conn = connect("drainer", max_unconfirmed=3)
+def test_a_done_callback_that_would_wait_for_itself_raises_at_once(
+    call: str, mode: str, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A future's done callback runs in the thread that read its ack, dispatching it: the
+    drainer, or in legacy mode the reading caller, holding the transport lock. A call
+    there that waits for the broker would wait for itself (drainer mode: for ever
+    without a timeout; legacy mode: reading inside that dispatch while the writes wait
+    for the lock). It raises ``CannotWaitInReadingThread`` at once instead, and the
+    connection carries on."""
+    # A legacy publish reads what is waiting (before_publish): here only the first looks,
+    # so the acks are read by result() below, not by the publishes themselves.
+    monkeypatch.setattr(reading, "BEFORE_PUBLISH_EVERY", JOIN)
+    conn = connect(mode, max_unconfirmed=3)
     try:
         channel = conn.channel()
         seen: list[tuple[str, float]] = []
@@ -730,19 +738,20 @@ def test_a_done_callback_that_would_wait_for_itself_raises_at_once(call: str, qu
             finally:
                 done.set()
 
-        # Holding the transport lock keeps the drainer from dispatching any ack until all
-        # three are out: the callback then runs in the drainer, on the first ack, with
-        # the second future still pending (its ack comes after) and two of three slots
-        # taken.
+        # Holding the transport lock keeps any ack from being dispatched until all three
+        # are out: the callback then runs on the first ack, with the second future still
+        # pending (its ack comes after) and two of three slots taken.
         channel.confirm_select()  # a round trip: not under the lock
         with conn.transport_lock:
             for body in (b"first", b"pending", b"third"):
                 futures.append(channel.basic_publish_deferred(Message(body), routing_key=queue))
             futures[0].add_done_callback(on_done)
+        if mode == "legacy":  # this thread reads the acks: the callback runs here
+            assert futures[0].result(JOIN) is True
         assert done.wait(JOIN), "the done callback never ran"
         assert seen and seen[0][0] == "raised", seen
         assert seen[0][1] < 1.0, seen
-        # the connection still works, from another thread
+        # the connection still works
         assert channel.basic_publish_deferred(Message(b"after"), routing_key=queue).result(JOIN)
         assert channel.queue_declare(queue, passive=True).queue == queue
     finally:
@@ -780,46 +789,3 @@ def test_the_end_wakes_every_thread_before_the_futures_done_callbacks_run() -> N
         finally:
             let_go.set()
             conn.collect()
-
-
-@pytest.mark.parametrize("call", sorted(CALLBACK_WAITS))
-def test_a_legacy_done_callback_that_would_wait_for_itself_raises_at_once(
-    call: str, queue: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Legacy mode: a future's done callback runs in the thread that read its ack, in the
-    middle of that read's dispatch, holding the transport lock. A call there that waits
-    for the broker would read inside that dispatch while the writes wait for the lock
-    (a confirmed publish hung until the broker gave up on the connection's heartbeats).
-    It raises ``CannotWaitInReadingThread`` at once, as in drainer mode."""
-    # A legacy publish reads what is waiting (before_publish): here only the first looks,
-    # so the acks are read below, by result(), and not by the publishes themselves.
-    monkeypatch.setattr(reading, "BEFORE_PUBLISH_EVERY", JOIN)
-    conn = connect("legacy", max_unconfirmed=3)
-    try:
-        channel = conn.channel()
-        channel.confirm_select()
-        seen: list[tuple[str, float]] = []
-        futures: list[ConfirmFuture] = []
-
-        def on_done(future: concurrent.futures.Future[Any]) -> None:
-            began = time.monotonic()
-            try:
-                CALLBACK_WAITS[call](channel, queue, futures[1])
-                seen.append(("returned", time.monotonic() - began))
-            except drainer_amqp.CannotWaitInReadingThread:
-                seen.append(("raised", time.monotonic() - began))
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                seen.append((repr(exc), time.monotonic() - began))
-
-        # Written at once (legacy mode), acked once read: by this thread, below.
-        with conn.transport_lock:  # no other thread reads the acks meanwhile
-            for body in (b"first", b"pending", b"third"):
-                futures.append(channel.basic_publish_deferred(Message(body), routing_key=queue))
-            futures[0].add_done_callback(on_done)
-        assert futures[0].result(JOIN) is True  # this thread reads: the callback runs here
-        assert seen and seen[0][0] == "raised", seen
-        assert seen[0][1] < 1.0, seen
-        assert channel.basic_publish_deferred(Message(b"after"), routing_key=queue).result(JOIN)
-        assert channel.queue_declare(queue, passive=True).queue == queue
-    finally:
-        conn.close()
