@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -29,6 +30,19 @@ from drainer_amqp.sync import Waiter
 
 MODES = ["drainer", "legacy"]
 CLOSE_404 = (404, "NOT_FOUND - no queue 'missing'", 50, 10)
+
+
+@contextlib.contextmanager
+def drainer_on_fake_broker(**options: Any) -> Iterator[tuple[FakeBroker, drainer_amqp.Connection]]:
+    """A fake broker (``options``: its own) and a drainer-mode connection to it, closed
+    after."""
+    with fake_broker(**options) as broker:
+        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
+        conn.connect()
+        try:
+            yield broker, conn
+        finally:
+            conn.close()
 
 
 def methods_on(broker: FakeBroker, channel: int) -> list[tuple[int, int]]:
@@ -54,58 +68,53 @@ def test_a_publish_that_passed_its_check_is_not_written_after_close_ok(
     """P1 is writing (held); P2 has looked at the channel (open) and is about to queue;
     then the broker closes the channel and our CloseOk is queued. P2's publish must not
     go out behind the CloseOk: it is refused as it is taken for writing."""
-    with fake_broker() as broker:
-        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
-        conn.connect()
+    with drainer_on_fake_broker() as (broker, conn):
+        channel = conn.channel()
+        publish = channel.basic_publish
+        if confirms:
+            channel.confirm_select()
+            publish = channel.basic_publish_confirm
+        assert conn.writer is not None
+        looked, go = threading.Event(), threading.Event()
+        real_wait_unblocked = conn.wait_unblocked
+
+        def wait_unblocked(timeout: float | None) -> None:  # after the channel's check
+            if threading.current_thread().name == "P2":
+                looked.set()
+                assert go.wait(JOIN)
+            real_wait_unblocked(timeout)
+
+        monkeypatch.setattr(conn, "wait_unblocked", wait_unblocked)
+        conn.io_lock.acquire()  # P1's write waits here, holding the lead
         try:
-            channel = conn.channel()
-            publish = channel.basic_publish
-            if confirms:
-                channel.confirm_select()
-                publish = channel.basic_publish_confirm
-            assert conn.writer is not None
-            looked, go = threading.Event(), threading.Event()
-            real_wait_unblocked = conn.wait_unblocked
-
-            def wait_unblocked(timeout: float | None) -> None:  # after the channel's check
-                if threading.current_thread().name == "P2":
-                    looked.set()
-                    assert go.wait(JOIN)
-                real_wait_unblocked(timeout)
-
-            monkeypatch.setattr(conn, "wait_unblocked", wait_unblocked)
-            conn.io_lock.acquire()  # P1's write waits here, holding the lead
-            try:
-                p1, p1_out = run_in_thread(lambda: publish(Message(b"1"), routing_key="q"), "P1")
-                assert wait_until(lambda: conn.writer is not None and conn.writer.busy, JOIN)
-                p2, p2_out = run_in_thread(lambda: publish(Message(b"2"), routing_key="q"), "P2")
-                assert looked.wait(JOIN)
-                broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
-                # The drainer read it: the CloseOk waits in the queue behind P1's write.
-                assert wait_until(lambda: len(conn.writer._queue) == 1, JOIN)  # type: ignore[union-attr]  # noqa: SLF001
-                go.set()
-                assert wait_until(lambda: len(conn.writer._queue) == 2, JOIN)  # type: ignore[union-attr]  # noqa: SLF001
-            finally:
-                conn.io_lock.release()
-            for thread in (p1, p2):
-                thread.join(JOIN)
-                assert not thread.is_alive()
-            assert isinstance(p2_out[0], NotFound), p2_out
-            if confirms:  # its confirm will never come: failed at once, not at a timeout
-                assert isinstance(p1_out[0], NotFound), p1_out
-            else:
-                assert p1_out == [None]  # written before the CloseOk: returned
-            # P2 reopened the channel: Channel.Open, then the channel works again.
-            assert broker.wait_for(spec.Channel.Open, count=2)
-            channel.basic_publish(Message(b"3"), routing_key="q")
-            assert broker.wait_for(spec.Basic.Publish, count=2)
-            sigs = methods_on(broker, 1)
-            assert_nothing_between_close_ok_and_open(sigs)
-            assert sigs.count(spec.Basic.Publish) == 2, sigs  # P1's and the last
-            assert len(channel.confirms) == 0
-            assert conn.reason is None
+            p1, p1_out = run_in_thread(lambda: publish(Message(b"1"), routing_key="q"), "P1")
+            assert wait_until(lambda: conn.writer is not None and conn.writer.busy, JOIN)
+            p2, p2_out = run_in_thread(lambda: publish(Message(b"2"), routing_key="q"), "P2")
+            assert looked.wait(JOIN)
+            broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
+            # The drainer read it: the CloseOk waits in the queue behind P1's write.
+            assert wait_until(lambda: len(conn.writer._queue) == 1, JOIN)  # type: ignore[union-attr]  # noqa: SLF001
+            go.set()
+            assert wait_until(lambda: len(conn.writer._queue) == 2, JOIN)  # type: ignore[union-attr]  # noqa: SLF001
         finally:
-            conn.close()
+            conn.io_lock.release()
+        for thread in (p1, p2):
+            thread.join(JOIN)
+            assert not thread.is_alive()
+        assert isinstance(p2_out[0], NotFound), p2_out
+        if confirms:  # its confirm will never come: failed at once, not at a timeout
+            assert isinstance(p1_out[0], NotFound), p1_out
+        else:
+            assert p1_out == [None]  # written before the CloseOk: returned
+        # P2 reopened the channel: Channel.Open, then the channel works again.
+        assert broker.wait_for(spec.Channel.Open, count=2)
+        channel.basic_publish(Message(b"3"), routing_key="q")
+        assert broker.wait_for(spec.Basic.Publish, count=2)
+        sigs = methods_on(broker, 1)
+        assert_nothing_between_close_ok_and_open(sigs)
+        assert sigs.count(spec.Basic.Publish) == 2, sigs  # P1's and the last
+        assert len(channel.confirms) == 0
+        assert conn.reason is None
 
 
 def test_the_thread_that_reopens_a_channel_writes_channel_open_first(
@@ -113,36 +122,31 @@ def test_the_thread_that_reopens_a_channel_writes_channel_open_first(
 ) -> None:
     """While one thread reopens the channel, another thread's method must wait for the
     Channel.Open to be taken, or raise the close error: never go out before it."""
-    with fake_broker(answer_declare=True) as broker:
-        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
-        conn.connect()
-        try:
-            channel = conn.channel()
-            broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
-            assert broker.wait_for(spec.Channel.CloseOk)
-            reviving, go = threading.Event(), threading.Event()
-            real_write = channel._write
+    with drainer_on_fake_broker(answer_declare=True) as (broker, conn):
+        channel = conn.channel()
+        broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
+        assert broker.wait_for(spec.Channel.CloseOk)
+        reviving, go = threading.Event(), threading.Event()
+        real_write = channel._write
 
-            def write(conn_: Any, sig: Any, *args: Any, **kwargs: Any) -> None:
-                if sig == spec.Channel.Open:
-                    reviving.set()  # the revive is claimed; Channel.Open not yet written
-                    assert go.wait(JOIN)
-                real_write(conn_, sig, *args, **kwargs)
+        def write(conn_: Any, sig: Any, *args: Any, **kwargs: Any) -> None:
+            if sig == spec.Channel.Open:
+                reviving.set()  # the revive is claimed; Channel.Open not yet written
+                assert go.wait(JOIN)
+            real_write(conn_, sig, *args, **kwargs)
 
-            monkeypatch.setattr(channel, "_write", write)
-            reviver, reviver_out = run_in_thread(lambda: channel.basic_qos(0, 10, False), "reviver")
-            assert reviving.wait(JOIN)
-            with pytest.raises(NotFound):  # the channel is still closed for everyone else
-                channel.basic_publish(Message(b"early"), routing_key="q")
-            go.set()
-            reviver.join(JOIN)
-            assert isinstance(reviver_out[0], NotFound), reviver_out
-            channel.basic_publish(Message(b"after"), routing_key="q")
-            assert broker.wait_for(spec.Basic.Publish)
-            assert_nothing_between_close_ok_and_open(methods_on(broker, 1))
-            assert conn.reason is None
-        finally:
-            conn.close()
+        monkeypatch.setattr(channel, "_write", write)
+        reviver, reviver_out = run_in_thread(lambda: channel.basic_qos(0, 10, False), "reviver")
+        assert reviving.wait(JOIN)
+        with pytest.raises(NotFound):  # the channel is still closed for everyone else
+            channel.basic_publish(Message(b"early"), routing_key="q")
+        go.set()
+        reviver.join(JOIN)
+        assert isinstance(reviver_out[0], NotFound), reviver_out
+        channel.basic_publish(Message(b"after"), routing_key="q")
+        assert broker.wait_for(spec.Basic.Publish)
+        assert_nothing_between_close_ok_and_open(methods_on(broker, 1))
+        assert conn.reason is None
 
 
 def test_the_drainer_fails_pending_waits_while_other_threads_add_and_remove_them(
@@ -163,22 +167,17 @@ def test_the_drainer_fails_pending_waits_while_other_threads_add_and_remove_them
         def __iter__(self) -> Any:
             return iter(list(self.values()))
 
-    with fake_broker() as broker:
-        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
-        conn.connect()
-        try:
-            channel = conn.channel()
-            channel._pending = ChangingWhileIterated(channel._pending)
-            declare, outcome = run_in_thread(
-                lambda: channel.queue_declare("q", passive=True), "declare"
-            )
-            assert broker.wait_for(spec.Queue.Declare)
-            broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
-            declare.join(JOIN)
-            assert isinstance(outcome[0], NotFound), outcome
-            assert conn.reason is None, conn.reason
-        finally:
-            conn.close()
+    with drainer_on_fake_broker() as (broker, conn):
+        channel = conn.channel()
+        channel._pending = ChangingWhileIterated(channel._pending)
+        declare, outcome = run_in_thread(
+            lambda: channel.queue_declare("q", passive=True), "declare"
+        )
+        assert broker.wait_for(spec.Queue.Declare)
+        broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
+        declare.join(JOIN)
+        assert isinstance(outcome[0], NotFound), outcome
+        assert conn.reason is None, conn.reason
 
 
 def test_nobody_reopens_the_channel_or_is_woken_before_the_close_ok_is_queued(
@@ -189,49 +188,44 @@ def test_nobody_reopens_the_channel_or_is_woken_before_the_close_ok_is_queued(
     makes RabbitMQ end the connection (504, second 'channel.open'). Forced: as the drainer
     queues the CloseOk, a waiter is still asleep, and another thread's publish raises the
     close error without reopening the channel."""
-    with fake_broker() as broker:
-        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
-        conn.connect()
-        try:
-            channel = conn.channel()
-            waiting, waiting_out = run_in_thread(
-                lambda: channel.queue_declare("missing", passive=True), "waiting"
-            )
-            assert broker.wait_for(spec.Queue.Declare)
-            seen: dict[str, Any] = {}
-            real_send_frames = conn.send_frames
+    with drainer_on_fake_broker() as (broker, conn):
+        channel = conn.channel()
+        waiting, waiting_out = run_in_thread(
+            lambda: channel.queue_declare("missing", passive=True), "waiting"
+        )
+        assert broker.wait_for(spec.Queue.Declare)
+        seen: dict[str, Any] = {}
+        real_send_frames = conn.send_frames
 
-            def send_frames(channel_id: int, sig: Any, *args: Any, **kwargs: Any) -> None:
-                if sig == spec.Channel.CloseOk and not seen:
-                    seen["woken"] = [w.done for w in set(channel._pending.values())]
-                    other, seen["other"] = run_in_thread(
-                        lambda: channel.basic_publish(Message(b"x"), routing_key="q"), "other"
-                    )
-                    other.join(JOIN)
-                    seen["other_done"] = not other.is_alive()
-                real_send_frames(channel_id, sig, *args, **kwargs)
+        def send_frames(channel_id: int, sig: Any, *args: Any, **kwargs: Any) -> None:
+            if sig == spec.Channel.CloseOk and not seen:
+                seen["woken"] = [w.done for w in set(channel._pending.values())]
+                other, seen["other"] = run_in_thread(
+                    lambda: channel.basic_publish(Message(b"x"), routing_key="q"), "other"
+                )
+                other.join(JOIN)
+                seen["other_done"] = not other.is_alive()
+            real_send_frames(channel_id, sig, *args, **kwargs)
 
-            monkeypatch.setattr(conn, "send_frames", send_frames)
-            broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
-            waiting.join(JOIN)
-            assert not waiting.is_alive()
-            assert seen["woken"] == [False], seen
-            assert seen["other_done"], "the other thread reopened the channel and hung"
-            assert isinstance(seen["other"][0], NotFound), seen
-            assert isinstance(waiting_out[0], NotFound), waiting_out
-            # The woken thread reopened the channel, after the CloseOk.
-            assert broker.wait_for(spec.Channel.Open, count=2)
-            sigs = methods_on(broker, 1)
-            assert sigs.index(spec.Channel.CloseOk) < len(sigs) - 1 - sigs[::-1].index(
-                spec.Channel.Open
-            ), sigs
-            assert_nothing_between_close_ok_and_open(sigs)
-            assert spec.Basic.Publish not in sigs, sigs
-            channel.basic_publish(Message(b"after"), routing_key="q")
-            assert broker.wait_for(spec.Basic.Publish)
-            assert conn.reason is None
-        finally:
-            conn.close()
+        monkeypatch.setattr(conn, "send_frames", send_frames)
+        broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
+        waiting.join(JOIN)
+        assert not waiting.is_alive()
+        assert seen["woken"] == [False], seen
+        assert seen["other_done"], "the other thread reopened the channel and hung"
+        assert isinstance(seen["other"][0], NotFound), seen
+        assert isinstance(waiting_out[0], NotFound), waiting_out
+        # The woken thread reopened the channel, after the CloseOk.
+        assert broker.wait_for(spec.Channel.Open, count=2)
+        sigs = methods_on(broker, 1)
+        assert sigs.index(spec.Channel.CloseOk) < len(sigs) - 1 - sigs[::-1].index(
+            spec.Channel.Open
+        ), sigs
+        assert_nothing_between_close_ok_and_open(sigs)
+        assert spec.Basic.Publish not in sigs, sigs
+        channel.basic_publish(Message(b"after"), routing_key="q")
+        assert broker.wait_for(spec.Basic.Publish)
+        assert conn.reason is None
 
 
 @pytest.mark.parametrize("call", ["publish", "confirmed", "declare"])
@@ -243,46 +237,41 @@ def test_nothing_is_written_on_a_channel_behind_its_own_close(
     RabbitMQ after the channel ended there (504: the connection ends, every channel
     with it). It is refused as it is taken for writing, with the error a call on the
     closed channel gets (RecoverableConnectionError), and the connection goes on."""
-    with fake_broker(answer_declare=True) as broker:
-        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
-        conn.connect()
-        try:
-            channel = conn.channel()
-            if call == "confirmed":
-                channel.confirm_select()
-            calls = {
-                "publish": lambda: channel.basic_publish(Message(b"late"), routing_key="q"),
-                "confirmed": lambda: channel.basic_publish_confirm(
-                    Message(b"late"), routing_key="q", confirm_timeout=JOIN
-                ),
-                "declare": lambda: channel.queue_declare("q"),
-            }
-            at_writer, go = threading.Event(), threading.Event()
-            real_send_frames = conn.send_frames
+    with drainer_on_fake_broker(answer_declare=True) as (broker, conn):
+        channel = conn.channel()
+        if call == "confirmed":
+            channel.confirm_select()
+        calls = {
+            "publish": lambda: channel.basic_publish(Message(b"late"), routing_key="q"),
+            "confirmed": lambda: channel.basic_publish_confirm(
+                Message(b"late"), routing_key="q", confirm_timeout=JOIN
+            ),
+            "declare": lambda: channel.queue_declare("q"),
+        }
+        at_writer, go = threading.Event(), threading.Event()
+        real_send_frames = conn.send_frames
 
-            def send_frames(*args: Any, **kwargs: Any) -> None:
-                if threading.current_thread().name == "late":
-                    at_writer.set()
-                    assert go.wait(JOIN)
-                real_send_frames(*args, **kwargs)
+        def send_frames(*args: Any, **kwargs: Any) -> None:
+            if threading.current_thread().name == "late":
+                at_writer.set()
+                assert go.wait(JOIN)
+            real_send_frames(*args, **kwargs)
 
-            monkeypatch.setattr(conn, "send_frames", send_frames)
-            late, late_out = run_in_thread(calls[call], "late")
-            assert at_writer.wait(JOIN)
-            channel.close()
-            go.set()
-            late.join(JOIN)
-            assert not late.is_alive()
-            assert isinstance(late_out[0], RecoverableConnectionError), late_out
-            sigs = methods_on(broker, 1)
-            assert sigs[-1] == spec.Channel.Close, sigs
-            assert conn.reason is None
-            other = conn.channel()
-            other.queue_declare("q")
-            assert other.channel_id == 1  # the closed channel's id, reused: clean
-            assert methods_on(broker, 1)[len(sigs) :] == [spec.Channel.Open, spec.Queue.Declare]
-        finally:
-            conn.close()
+        monkeypatch.setattr(conn, "send_frames", send_frames)
+        late, late_out = run_in_thread(calls[call], "late")
+        assert at_writer.wait(JOIN)
+        channel.close()
+        go.set()
+        late.join(JOIN)
+        assert not late.is_alive()
+        assert isinstance(late_out[0], RecoverableConnectionError), late_out
+        sigs = methods_on(broker, 1)
+        assert sigs[-1] == spec.Channel.Close, sigs
+        assert conn.reason is None
+        other = conn.channel()
+        other.queue_declare("q")
+        assert other.channel_id == 1  # the closed channel's id, reused: clean
+        assert methods_on(broker, 1)[len(sigs) :] == [spec.Channel.Open, spec.Queue.Declare]
 
 
 def close_under_publishers(conn: Any, queue: str, confirmed: bool, round_: int) -> None:
@@ -462,20 +451,15 @@ def test_a_reply_awaited_on_a_channel_another_thread_closes_fails_the_wait() -> 
     """A thread waits for a reply (here one that never comes: a broker drops what
     arrives on a channel it is closing, and so does py-amqp) when another thread closes
     the channel. The wait ends with the closed channel's error, not never."""
-    with fake_broker() as broker:  # it answers no Queue.Declare
-        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
-        conn.connect()
-        try:
-            channel = conn.channel()
-            waiting, outcome = run_in_thread(lambda: channel.queue_declare("q"), "waiting")
-            assert broker.wait_for(spec.Queue.Declare)
-            channel.close()
-            waiting.join(JOIN)
-            assert not waiting.is_alive(), "the wait outlived its channel"
-            assert isinstance(outcome[0], RecoverableConnectionError), outcome
-            assert conn.reason is None
-        finally:
-            conn.close()
+    with drainer_on_fake_broker() as (broker, conn):  # it answers no Queue.Declare
+        channel = conn.channel()
+        waiting, outcome = run_in_thread(lambda: channel.queue_declare("q"), "waiting")
+        assert broker.wait_for(spec.Queue.Declare)
+        channel.close()
+        waiting.join(JOIN)
+        assert not waiting.is_alive(), "the wait outlived its channel"
+        assert isinstance(outcome[0], RecoverableConnectionError), outcome
+        assert conn.reason is None
 
 
 def test_a_channel_closed_while_another_thread_reopens_it_ends_that_wait() -> None:
@@ -484,20 +468,15 @@ def test_a_channel_closed_while_another_thread_reopens_it_ends_that_wait() -> No
     channel that is not open at once. The OpenOk then finds the channel let go of; the
     reopening thread's wait ends with the closed channel's error, not never. Forced:
     the drainer dispatches nothing until the close is done."""
-    with fake_broker() as broker:
-        conn = drainer_amqp.Connection(host=broker.hostport, dedicated_drainer=True)
-        conn.connect()
-        try:
-            channel = conn.channel()
-            broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
-            assert broker.wait_for(spec.Channel.CloseOk)
-            with conn.transport_lock:  # the OpenOk waits to be dispatched
-                reviver, outcome = run_in_thread(lambda: channel.basic_qos(0, 10, False), "reviver")
-                assert broker.wait_for(spec.Channel.Open, count=2)
-                channel.close()
-            reviver.join(JOIN)
-            assert not reviver.is_alive(), "the reopening thread waits for ever"
-            assert isinstance(outcome[0], RecoverableConnectionError), outcome
-            assert conn.reason is None
-        finally:
-            conn.close()
+    with drainer_on_fake_broker() as (broker, conn):
+        channel = conn.channel()
+        broker.send(method(1, spec.Channel.Close, "BsBB", CLOSE_404))
+        assert broker.wait_for(spec.Channel.CloseOk)
+        with conn.transport_lock:  # the OpenOk waits to be dispatched
+            reviver, outcome = run_in_thread(lambda: channel.basic_qos(0, 10, False), "reviver")
+            assert broker.wait_for(spec.Channel.Open, count=2)
+            channel.close()
+        reviver.join(JOIN)
+        assert not reviver.is_alive(), "the reopening thread waits for ever"
+        assert isinstance(outcome[0], RecoverableConnectionError), outcome
+        assert conn.reason is None
