@@ -58,8 +58,9 @@ from dataclasses import asdict, dataclass
 from time import monotonic
 from typing import Any, Protocol
 
-from .errors import CannotWaitInReadingThread, ConnectionLost, HeartbeatTimeout, MalformedFrame
+from .errors import ConnectionLost, HeartbeatTimeout, MalformedFrame
 from .framing import Frame, FrameAssembler
+from .reading import refuse_wait_in_dispatch
 from .sync import Awaitable, SelfPipe
 from .waits import Waiters
 
@@ -228,11 +229,8 @@ class Drainer:
         raises ``CannotWaitInReadingThread`` at once: that wait would be for itself."""
         if awaitable.ready():
             return
-        if not closing and self._sink.dispatching_thread == threading.get_ident():
-            raise CannotWaitInReadingThread(
-                "this thread reads the connection (a done callback of a deferred publish): "
-                "it cannot wait here for what only it would read"
-            )
+        if not closing:
+            refuse_wait_in_dispatch(self._sink.dispatching_thread)
         if self.thread is not None and self._sock.fileno() == -1 and self.thread.is_alive():
             self.wake()  # someone closed the socket under us: the thread reports it
         if not closing and self._borrow(awaitable, deadline):

@@ -23,7 +23,7 @@ from .framing import FRAME_END, HEADER_SIZE, Frame, check_header
 from .sending import readable
 from .sync import Awaitable, FairRLock
 
-__all__ = ["LegacyReader", "Reader"]
+__all__ = ["LegacyReader", "Reader", "refuse_wait_in_dispatch"]
 
 #: How far past its deadline one socket read may wait in legacy mode (seconds).
 TIMEOUT_SLACK = 0.001
@@ -144,17 +144,10 @@ class LegacyReader:
     def wait(self, awaitable: Awaitable, deadline: float | None, closing: bool = False) -> None:
         conn = self._conn
         lock = conn.transport_lock
-        if (
-            not closing
-            and not awaitable.ready()
-            and conn.dispatching_thread == threading.get_ident()
-        ):
-            # A done callback, run by the thread that read its confirm, under the lock:
-            # another read here would run inside that dispatch, and writes wait for it.
-            raise CannotWaitInReadingThread(
-                "this thread reads the connection (a done callback of a deferred publish): "
-                "it cannot wait here for what only it would read"
-            )
+        if not closing and not awaitable.ready():
+            # A read here would run inside the dispatch that called it, and writes wait
+            # for the lock that dispatch holds.
+            refuse_wait_in_dispatch(conn.dispatching_thread)
         while not awaitable.ready():
             if not closing and conn.reason is not None and not awaitable.ready():
                 raise conn.error_for_caller()  # a reply read before the end still counts
@@ -229,6 +222,17 @@ class LegacyReader:
                 return False
             raise conn.error_for_caller() from exc
         return False
+
+
+def refuse_wait_in_dispatch(dispatching_thread: int | None) -> None:
+    """Both modes, before a wait for what the connection reads: in the thread that is
+    dispatching what it read (a done callback of a deferred publish runs there), raise
+    ``CannotWaitInReadingThread``; that wait would be for itself."""
+    if dispatching_thread == threading.get_ident():
+        raise CannotWaitInReadingThread(
+            "this thread reads the connection (a done callback of a deferred publish): "
+            "it cannot wait here for what only it would read"
+        )
 
 
 class _Nothing:
